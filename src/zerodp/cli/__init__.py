@@ -1,0 +1,1 @@
+"""Command-line interface: ``zerodp train | estimate | bench | consolidate``."""

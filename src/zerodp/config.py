@@ -1,0 +1,139 @@
+"""User-facing configuration: one frozen, validated dataclass.
+
+Every field is checked in ``__post_init__`` so that a bad value fails at construction, before any
+process group traffic or model surgery, with a ``ValueError`` that names the field and what is
+allowed. ``ZeroConfig.from_dict`` / ``from_json`` accept the same names, and reject unknown keys
+(a typo in a JSON file must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """How zerodp shards and communicates.
+
+    The defaults suit both CPU/gloo and GPU/NCCL; most users set only ``stage``.
+    """
+
+    stage: int = 2
+    """0: plain data parallelism; 1: shard optimizer state; 2: also gradients; 3: also
+    parameters."""
+
+    bucket_bytes: int = 32 * 2**20
+    """Size of one gradient-reduction / parameter-gather bucket, in bytes of the parameter dtype.
+    Buckets are the unit of communication: larger amortises per-collective latency, smaller
+    starts reduction earlier in backward and bounds stage-2 staging memory."""
+
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's module buffers (e.g. BatchNorm running stats) before every forward,
+    exactly as ``DistributedDataParallel(broadcast_buffers=True)`` does."""
+
+    precision: str = "fp32"
+    """Compute dtype of the model: ``fp32``, ``bf16`` or ``fp16``. Low precision keeps an fp32
+    master copy of the owned shard inside the optimizer."""
+
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in. fp32 (default) is safe; bf16/fp16 halve traffic but can
+    lose small gradients."""
+
+    loss_scale: float | None = None
+    """fp16 only: a fixed loss scale, or ``None`` for dynamic loss scaling."""
+
+    initial_scale: float = 2.0**16
+    """fp16 dynamic loss scaling: the starting scale."""
+
+    growth_factor: float = 2.0
+    """fp16 dynamic loss scaling: multiply the scale by this after ``growth_interval`` finite
+    steps."""
+
+    backoff_factor: float = 0.5
+    """fp16 dynamic loss scaling: multiply the scale by this on overflow (after hysteresis)."""
+
+    growth_interval: int = 1000
+    """fp16 dynamic loss scaling: consecutive finite steps before the scale grows."""
+
+    hysteresis: int = 2
+    """fp16 dynamic loss scaling: overflows tolerated before the scale is lowered."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic loss scaling: reaching a lower scale than this raises an error."""
+
+    def __post_init__(self) -> None:
+        _check_choice("stage", self.stage, STAGES)
+        _check_positive_int("bucket_bytes", self.bucket_bytes)
+        _check_bool("broadcast_buffers", self.broadcast_buffers)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        if self.loss_scale is not None:
+            _check_positive_float("loss_scale", self.loss_scale)
+            if self.precision != "fp16":
+                raise ValueError(
+                    "ZeroConfig.loss_scale is only used with precision='fp16'; "
+                    f"got precision={self.precision!r}: drop loss_scale or use fp16"
+                )
+        _check_positive_float("initial_scale", self.initial_scale)
+        if not self.growth_factor > 1.0:
+            raise ValueError(f"ZeroConfig.growth_factor must be > 1.0; got {self.growth_factor!r}")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(
+                f"ZeroConfig.backoff_factor must be in (0, 1); got {self.backoff_factor!r}"
+            )
+        _check_positive_int("growth_interval", self.growth_interval)
+        _check_positive_int("hysteresis", self.hysteresis)
+        _check_positive_float("min_loss_scale", self.min_loss_scale)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ZeroConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"ZeroConfig got unknown field(s) {unknown}; allowed fields: {sorted(known)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ZeroConfig:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a ZeroConfig JSON file must hold an object at top level")
+        return cls.from_dict(values)
+
+
+def _check_choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    # bool is an int subclass: stage=True must not pass as stage=1.
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(
+            f"ZeroConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+        )
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ZeroConfig.{name} must be a positive integer; got {value!r}")
+
+
+def _check_positive_float(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or value != value:  # NaN
+        raise ValueError(f"ZeroConfig.{name} must be a positive number; got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"ZeroConfig.{name} must be True or False; got {value!r}")
