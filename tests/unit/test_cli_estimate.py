@@ -1,0 +1,186 @@
+"""`zerodp estimate` end to end through the dispatcher: the paper's tables, JSON, and bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerodp.cli.main import main
+from zerodp.memory import GPTShape, activation_bytes, gpt_param_count
+
+# Table 1 of the ZeRO paper (P_os, P_os+g, P_os+g+p in GB), one dict per model size.
+TABLE_1 = {
+    "7.5e9": {
+        1: ["120", "120", "120"],
+        4: ["52.5", "41.3", "30"],
+        16: ["35.6", "21.6", "7.5"],
+        64: ["31.4", "16.6", "1.88"],
+        256: ["30.4", "15.4", "0.47"],
+        1024: ["30.1", "15.1", "0.12"],
+    },
+    "128e9": {
+        1: ["2048", "2048", "2048"],
+        4: ["896", "704", "512"],
+        16: ["608", "368", "128"],
+        64: ["536", "284", "32"],
+        256: ["518", "263", "8"],
+        1024: ["513", "257", "2"],
+    },
+    "1e12": {
+        1: ["16000", "16000", "16000"],
+        4: ["7000", "5500", "4000"],
+        16: ["4750", "2875", "1000"],
+        64: ["4187", "2218", "250"],
+        256: ["4046", "2054", "62.5"],
+        1024: ["4011", "2013", "15.6"],
+    },
+}
+PAPER_WORLD_SIZES = "1,4,16,64,256,1024"
+GPT_ARGS = ["--gpt-layers", "4", "--gpt-hidden", "64", "--gpt-vocab", "1000", "--gpt-seq", "128"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(["estimate", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(_run(capsys, *argv, "--json"))
+    return result
+
+
+def _table_rows(text: str) -> dict[int, list[str]]:
+    """World size -> the four stage cells of the first table (the model-state table)."""
+    rows: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if rows:
+                break
+            continue
+        first, *cells = line.split()
+        if first.isdigit():
+            rows[int(first)] = cells
+    return rows
+
+
+@pytest.mark.parametrize("params", list(TABLE_1))
+def test_default_table_reproduces_table_1(capsys: pytest.CaptureFixture[str], params: str) -> None:
+    out = _run(capsys, "--params", params, "--world-sizes", PAPER_WORLD_SIZES)
+    assert "1 GB = 1e9 bytes" in out
+    rows = _table_rows(out)
+    assert list(rows) == [1, 4, 16, 64, 256, 1024]
+    baseline = TABLE_1[params][1][0]
+    for n, printed in TABLE_1[params].items():
+        assert rows[n] == [baseline, *printed]
+
+
+def test_figure_1_example(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _table_rows(_run(capsys, "--params", "7.5e9", "--world-sizes", "64"))
+    assert [float(cell) for cell in rows[64]] == [120, 31.4, 16.6, 1.88]  # 1.88 prints as 1.9
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--params", "7.5e9", "--world-sizes", "1,64")
+    assert data["gb"] == 1e9
+    assert data["bytes_per_param"] == {
+        "param_bytes": 2,
+        "grad_bytes": 2,
+        "optimizer_bytes_per_param": 12,
+    }
+    stages = data["world_sizes"][1]["stages"]
+    assert [s["model_states"] for s in stages] == pytest.approx(
+        [120e9, 31.40625e9, 16.640625e9, 1.875e9]
+    )
+    assert stages[2]["gradients"] == pytest.approx(2 * 7.5e9 / 64)
+    assert all(s["fits"] is None for s in stages)
+    assert data["world_sizes"][1]["recommended_stage"] is None
+
+
+def test_device_memory_answers_fit_and_recommends(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--params", "7.5e9", "--world-sizes", "1,16,64", "--device-memory-gb", "32"]
+    out = _run(capsys, *argv, "--bucket-bytes", "1")
+    assert "recommended" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert lines["1"].endswith("none")  # the last "1" row is the fit table's
+    assert lines["16"].endswith("stage 2")
+    assert lines["64"].endswith("stage 1")
+    data = _json(capsys, *argv, "--bucket-bytes", "1")
+    assert [w["recommended_stage"] for w in data["world_sizes"]] == [None, 2, 1]
+    assert [s["fits"] for s in data["world_sizes"][2]["stages"]] == [False, True, True, True]
+
+
+def test_gpt_description_counts_params_and_activations(capsys: pytest.CaptureFixture[str]) -> None:
+    shape = GPTShape(layers=4, hidden=64, vocab=1000, seq_len=128, micro_batch=8)
+    data = _json(capsys, *GPT_ARGS, "--gpt-batch", "8", "--world-sizes", "2")
+    assert data["num_params"] == gpt_param_count(shape)
+    assert data["activation_bytes"] == activation_bytes(shape, dtype_bytes=2)
+    root_unit = (1000 + 128) * 64 + 2 * 64  # embeddings and final LayerNorm
+    assert data["largest_unit_bytes"] == 2 * root_unit  # in bf16
+    ckpt = _json(capsys, *GPT_ARGS, "--gpt-batch", "8", "--activation-checkpointing")
+    assert ckpt["activation_bytes"] == activation_bytes(shape, dtype_bytes=2, checkpointing=True)
+    assert "Activations per rank" in _run(capsys, *GPT_ARGS)
+
+
+def test_precision_optimizer_and_k(capsys: pytest.CaptureFixture[str]) -> None:
+    sgd = _json(capsys, "--params", "1e9", "--precision", "fp32", "--optimizer", "sgd")
+    assert sgd["bytes_per_param"]["optimizer_bytes_per_param"] == 4
+    over = _json(capsys, "--params", "1e9", "--optimizer", "sgd", "--k", "6")
+    assert over["bytes_per_param"]["optimizer_bytes_per_param"] == 6
+    assert over["world_sizes"][0]["stages"][0]["model_states"] == pytest.approx(10e9)
+
+
+def test_model_factory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "zerodp_cli_fixture.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+
+            def tied():
+                emb = nn.Embedding(100, 8)
+                head = nn.Linear(8, 100, bias=False)
+                head.weight = emb.weight
+                return nn.Sequential(emb, head)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "zerodp_cli_fixture", raising=False)
+    assert _json(capsys, "--model", "zerodp_cli_fixture:tied")["num_params"] == 800
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--params", "1e9", "--world-sizes", "0"], "--world-sizes"),
+        (["--params", "1e9", "--world-sizes", "4,x"], "--world-sizes"),
+        (["--params", "1e9", "--world-sizes", ""], "--world-sizes"),
+        (["--params", "-1"], "--params"),
+        (["--params", "abc"], "--params"),
+        (["--params", "nan"], "--params"),
+        (["--params", "1e9", "--device-memory-gb", "0"], "--device-memory-gb"),
+        (["--params", "1e9", "--k", "-1"], "--k"),
+        (["--params", "1e9", "--bucket-bytes", "0"], "--bucket-bytes"),
+        (["--params", "1e9", "--precision", "fp8"], "--precision"),
+        (["--gpt-layers", "2"], "--gpt-hidden"),
+        ([], "--params"),
+        (["--params", "1e9", "--model", "x:y"], "--model"),
+        (["--model", "zerodp_no_such_module:f"], "--model"),
+        (["--params", "1e9", "--activation-checkpointing"], "--activation-checkpointing"),
+    ],
+)
+def test_bad_input_is_an_argparse_error_naming_the_option(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "zerodp estimate: error:" in err
+    assert option in err.split("error:", 1)[1]
