@@ -1,0 +1,46 @@
+"""``zerodp.initialize``: the one call that turns a model and optimizer into ZeRO training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodp.config import ZeroConfig
+from zerodp.engine import ZeroEngine
+from zerodp.module import attach
+from zerodp.optim.optimizer import ZeroOptimizer
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | None = None,
+    process_group: Any = None,
+) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard ``optimizer`` (and, by stage, gradients) of ``model`` across ``process_group``.
+
+    The model is modified **in place** and returned: its parameters become views into flat
+    buffers, its class gains ``no_sync()``, and rank 0's parameters and buffers are broadcast to
+    every rank. The returned ``ZeroOptimizer`` replaces ``optimizer`` (which is rebound to this
+    rank's shard; do not step it directly). Every rank must call this with the same config and
+    the same model structure; otherwise every rank raises ``ValueError`` naming the difference.
+
+    ``process_group`` is the data-parallel group (default: the whole world), e.g. one
+    dimension of a larger device mesh.
+    """
+    if config is None:
+        config = ZeroConfig()
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(
+            f"config must be a zerodp.ZeroConfig; got {type(config).__name__} "
+            "(use ZeroConfig.from_dict / from_json for dicts and files)"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer)}")
+    if isinstance(optimizer, ZeroOptimizer) or getattr(model, "_zero_engine", None) is not None:
+        raise ValueError("this model or optimizer is already managed by zerodp.initialize")
+    engine = ZeroEngine(model, optimizer, config, process_group)
+    attach(model, engine)
+    return model, ZeroOptimizer(engine)

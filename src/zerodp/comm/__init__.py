@@ -1,0 +1,15 @@
+"""The only package that imports ``torch.distributed``: collectives, handles and the ledger."""
+
+from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
+from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
+
+__all__ = [
+    "CONTROL",
+    "MODEL",
+    "CommLedger",
+    "CommStats",
+    "Communicator",
+    "Handle",
+    "destroy",
+    "init_from_env",
+]

@@ -1,0 +1,154 @@
+"""The one place that calls ``torch.distributed``.
+
+``Communicator`` binds a process group (the data-parallel group; ``None`` means the default
+group) and a ``CommLedger``. Every collective goes through it, so the ledger sees all traffic.
+Asynchronous collectives return a ``Handle``: start now, ``wait()`` when the result is needed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """An in-flight collective. ``wait`` is idempotent."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSupport:
+    backend: str
+    device_types: tuple[str, ...]
+
+
+class Communicator:
+    """Collectives over one process group, recorded in a ledger."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "zerodp needs an initialised torch.distributed process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
+                "or launch with `zerodp train` / torchrun"
+            )
+        self.group = group
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the process_group given to zerodp")
+        self.backend = str(dist.get_backend(group))
+        _collect_cycles_at_exit()
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def supported_device_types(self) -> tuple[str, ...]:
+        """Device types whose tensors this group's backend(s) can reduce-scatter/all-gather.
+        A backend string is either ``"gloo"`` or a map such as ``"cpu:gloo,cuda:nccl"``."""
+        if ":" in self.backend:
+            return tuple(part.split(":")[0] for part in self.backend.split(","))
+        if self.backend == "gloo":
+            return ("cpu",)
+        if self.backend == "nccl":
+            return ("cuda",)
+        return ("cpu", "cuda")  # unknown third-party backend: let it try
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
+
+    # -- model-data collectives ----------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
+        self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), MODEL)
+        return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        """Sum ``input`` over ranks; rank r receives chunk r. ``output`` may alias chunk r of
+        ``input`` (in-place), which gloo and NCCL both support."""
+        self.ledger.record("reduce_scatter", input.numel(), input.element_size(), MODEL)
+        work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+        return Handle(work)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        """Concatenate every rank's ``input`` into ``output``; ``input`` may alias chunk r."""
+        self.ledger.record("all_gather", output.numel(), output.element_size(), MODEL)
+        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+        return Handle(work)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, category: str = MODEL) -> None:
+        """Broadcast from group rank ``src``."""
+        self.ledger.record("broadcast", tensor.numel(), tensor.element_size(), category)
+        dist.broadcast(tensor, group=self.group, group_src=src)
+
+    # -- control collectives (agreement between ranks) -----------------------------------------
+
+    def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """A small all-reduce whose result every rank uses to take the same decision."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), CONTROL)
+        dist.all_reduce(tensor, op=ops[op], group=self.group)
+
+    def all_gather_object(self, obj: object) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self.ledger.record("all_gather_object", 1, 0, CONTROL)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _collect_cycles_at_exit() -> None:
+    """A model and its engine reference each other; left to the interpreter's final teardown,
+    their buffers (which gloo has touched) were seen to be freed after the C++ process-group
+    machinery and abort the process ("terminate called without an active exception"). Collecting
+    cycles at exit, while everything is still alive, avoids that."""
+    if not _EXIT_HOOK:
+        atexit.register(gc.collect)
+        _EXIT_HOOK.append(True)
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from torchrun's environment variables."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

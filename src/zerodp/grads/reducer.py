@@ -1,0 +1,396 @@
+"""Bucketed gradient reduction that overlaps backward.
+
+A post-accumulate-grad hook on every trainable parameter counts down its buckets; a bucket is
+launched (asynchronously) when all its parameters have their gradient **and** every earlier
+bucket was launched. The fixed launch order is what keeps ranks' collectives matched when a
+parameter is unused on some ranks: a bucket that never completes is launched, in order, by a
+callback at the end of backward (or by ``finish`` when a rank ran no backward at all).
+
+Three modes, one per way of holding gradients:
+
+``ALL_REDUCE`` (stage 0)
+    Gradients live in a full flat buffer (``param.grad`` are views into it, so autograd
+    accumulates in place); each bucket is all-reduced and divided by N: DDP exactly.
+``SCATTER_IN_PLACE`` (stage 1)
+    The same full buffer; each bucket is reduce-scattered in place into this rank's slice, and
+    the other slices are zeroed (they were consumed). The owned slice keeps a running *sum* over
+    the step's backward passes; ``finish`` divides it by N once.
+``SCATTER_STAGED`` (stage 2)
+    No full gradient buffer. At launch the bucket's gradients are copied into one of a fixed
+    pool of staging buffers (then ``param.grad`` is freed), reduce-scattered into the owned
+    gradient shard, divided by N and accumulated there.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerodp.comm import Communicator, Handle
+from zerodp.partition.layout import Range
+from zerodp.partition.segment import Segment, flat_view
+
+
+class ReduceMode(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    SCATTER_IN_PLACE = "scatter_in_place"
+    SCATTER_STAGED = "scatter_staged"
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    seg: int  # segment index
+    index: int  # bucket index within the segment's layout
+    flat: Range  # the bucket in the segment's flat space
+    owned: Range  # this rank's slice of it (flat space)
+    shard_offset: int  # where the owned slice starts in the shard buffer
+    slots: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    bucket: int
+    handle: Handle
+    post: Callable[[], None]
+
+
+class GradReducer:
+    """Owns gradient storage and its reduction for all segments of one engine."""
+
+    def __init__(
+        self,
+        segments: list[Segment],
+        comm: Communicator,
+        mode: ReduceMode,
+        staging_buffers: int = 2,
+    ) -> None:
+        self.segments = segments
+        self.comm = comm
+        self.mode = mode
+        self.world = comm.world_size
+        self.sync_enabled = True
+        staged = mode is ReduceMode.SCATTER_STAGED
+        # [Note: gradient storage] full buffers (stages 0-1) or owned shards (stage 2).
+        self.grad_buffers: list[torch.Tensor | None] = [
+            None if staged else torch.zeros_like(s.param_buffer) for s in segments
+        ]
+        self.shard_grads: list[torch.Tensor | None] = [
+            _zeros(s.layout.shard_numel, s) if staged else None for s in segments
+        ]
+        self.buckets = self._global_buckets()
+        self._slot_buckets = [
+            [[self._seg_bucket_ids[i][b] for b in buckets] for buckets in seg.layout.slot_buckets]
+            for i, seg in enumerate(segments)
+        ]
+        self._pool = (
+            _StagingPool(self.buckets, self.world, segments[0], staging_buffers)
+            if staged and segments
+            else None
+        )
+        self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
+        self._inflight: deque[_InFlight] = deque()
+        self._has_data = [False] * len(self.buckets)
+        self._rounds = 0  # reduction rounds launched since the last finish()
+        self._averaged = False  # finish() ran and zero_grad() has not
+        self._hooks: list[Any] = []
+        self._reset_backward()
+        if not staged:
+            self.bind_grad_views()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _global_buckets(self) -> list[_Bucket]:
+        rank = self.comm.rank
+        out: list[_Bucket] = []
+        self._seg_bucket_ids: list[list[int]] = []
+        for i, seg in enumerate(self.segments):
+            lay = seg.layout
+            ids = []
+            for b, flat in enumerate(lay.buckets):
+                ids.append(len(out))
+                out.append(
+                    _Bucket(
+                        i,
+                        b,
+                        flat,
+                        lay.bucket_shard(b, rank),
+                        lay.bucket_shard_offset(b),
+                        lay.bucket_slots[b],
+                    )
+                )
+            self._seg_bucket_ids.append(ids)
+        return out
+
+    def register_hooks(self) -> None:
+        for i, seg in enumerate(self.segments):
+            for s, p in enumerate(seg.params):
+                hook = self._make_hook(i, s)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def bind_grad_views(self) -> None:
+        """Point every ``param.grad`` at its view of the full gradient buffer (stages 0-1)."""
+        for i, seg in enumerate(self.segments):
+            buf = self.grad_buffers[i]
+            assert buf is not None
+            for s, p in enumerate(seg.params):
+                p.grad = self._grad_view(buf, seg, s)
+
+    @staticmethod
+    def _grad_view(buf: torch.Tensor, seg: Segment, s: int) -> torch.Tensor:
+        slot = seg.layout.slots[s]
+        return flat_view(buf, slot.flat).view(slot.spec.shape)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _reset_backward(self) -> None:
+        self._pending = [len(b.slots) for b in self.buckets]
+        self._next = 0
+        self._callback_queued = False
+
+    def _make_hook(self, seg: int, slot: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(seg, slot, param)
+
+        return hook
+
+    def _on_grad_ready(self, seg: int, slot: int, param: torch.Tensor) -> None:
+        if self._averaged and self.mode is ReduceMode.SCATTER_IN_PLACE:
+            raise RuntimeError(
+                "zerodp stage 1: backward() ran after optimizer.step() without "
+                "optimizer.zero_grad(); stage 1 reduces gradients into shards, so gradients "
+                "cannot accumulate across steps: call optimizer.zero_grad() after each step"
+            )
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        self.used[seg][slot] = True
+        if self.mode is not ReduceMode.SCATTER_STAGED:
+            self._adopt_grad(seg, slot, param)
+        if not self.sync_enabled:
+            return
+        for gb in self._slot_buckets[seg][slot]:
+            self._pending[gb] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _adopt_grad(self, seg: int, slot: int, param: torch.Tensor) -> None:
+        """If something replaced ``param.grad`` (``model.zero_grad()`` setting it to None, a
+        user assignment), copy the value into the buffer and restore the view."""
+        buf = self.grad_buffers[seg]
+        assert buf is not None
+        view = self._grad_view(buf, self.segments[seg], slot)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def _on_backward_end(self) -> None:
+        if self.sync_enabled:
+            self._launch_remaining()
+        self._reset_backward()
+
+    def _launch_remaining(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+
+    # -- launching -----------------------------------------------------------------------------
+
+    def _launch(self, gb: int) -> None:
+        if gb == 0:
+            self._rounds += 1
+        bucket = self.buckets[gb]
+        if self.mode is ReduceMode.ALL_REDUCE:
+            self._launch_all_reduce(gb, bucket)
+        elif self.mode is ReduceMode.SCATTER_IN_PLACE:
+            self._launch_in_place(gb, bucket)
+        else:
+            self._launch_staged(gb, bucket)
+
+    def _launch_all_reduce(self, gb: int, bucket: _Bucket) -> None:
+        buf = self.grad_buffers[bucket.seg]
+        assert buf is not None
+        view = flat_view(buf, bucket.flat)
+        handle = self.comm.all_reduce(view, async_op=True)
+
+        def average() -> None:
+            view.div_(self.world)
+
+        self._inflight.append(_InFlight(gb, handle, average))
+
+    def _launch_in_place(self, gb: int, bucket: _Bucket) -> None:
+        buf = self.grad_buffers[bucket.seg]
+        assert buf is not None
+        view = flat_view(buf, bucket.flat)
+        owned = flat_view(buf, bucket.owned)
+        handle = self.comm.reduce_scatter(owned, view, async_op=True)
+        lo = bucket.owned.start - bucket.flat.start
+        hi = bucket.owned.stop - bucket.flat.start
+
+        def consume_others() -> None:
+            view[:lo].zero_()
+            view[hi:].zero_()
+
+        self._inflight.append(_InFlight(gb, handle, consume_others))
+
+    def _launch_staged(self, gb: int, bucket: _Bucket) -> None:
+        assert self._pool is not None
+        while not self._pool.available and self._inflight:
+            self._wait_oldest()
+        staging, scratch = self._pool.acquire(bucket.flat.numel, self.world)
+        self._fill_staging(bucket, staging)
+        shard = self.shard_grads[bucket.seg]
+        assert shard is not None
+        target = shard.narrow(0, bucket.shard_offset, bucket.owned.numel)
+        accumulate = self._has_data[gb]
+        out = scratch if accumulate else target
+        handle = self.comm.reduce_scatter(out, staging, async_op=True)
+        self._has_data[gb] = True
+
+        def post() -> None:
+            out.div_(self.world)
+            if accumulate:
+                target.add_(out)
+            self._pool.release(staging)  # type: ignore[union-attr]
+
+        self._inflight.append(_InFlight(gb, handle, post))
+
+    def _fill_staging(self, bucket: _Bucket, staging: torch.Tensor) -> None:
+        """Copy the bucket's part of each parameter's gradient, zero the rest, free grads whose
+        last bucket this is."""
+        seg = self.segments[bucket.seg]
+        cursor = bucket.flat.start
+        for s in bucket.slots:
+            slot = seg.layout.slots[s]
+            part = slot.flat.intersect(bucket.flat)
+            assert part is not None
+            _zero(staging, cursor - bucket.flat.start, part.start - bucket.flat.start)
+            dst = staging.narrow(0, part.start - bucket.flat.start, part.numel)
+            grad = seg.params[s].grad
+            if grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(grad.reshape(-1).narrow(0, part.start - slot.flat.start, part.numel))
+                if part.stop == slot.flat.stop:
+                    seg.params[s].grad = None
+            cursor = part.stop
+        _zero(staging, cursor - bucket.flat.start, bucket.flat.numel)
+
+    # -- completion ----------------------------------------------------------------------------
+
+    def _wait_oldest(self) -> None:
+        item = self._inflight.popleft()
+        item.handle.wait()
+        item.post()
+
+    def finish(self) -> None:
+        """Make the step's gradients final: launch what no backward launched, wait for every
+        collective, and average. Idempotent until ``zero_grad``."""
+        if self._averaged:
+            return
+        if self._rounds == 0:
+            self._launch_remaining()
+            self._reset_backward()
+        while self._inflight:
+            self._wait_oldest()
+        if self.mode is ReduceMode.SCATTER_IN_PLACE:
+            for bucket in self.buckets:
+                buf = self.grad_buffers[bucket.seg]
+                assert buf is not None
+                flat_view(buf, bucket.owned).div_(self.world)
+        self._averaged = True
+
+    def zero_grad(self) -> None:
+        while self._inflight:  # never zero a buffer a collective is still writing
+            self._wait_oldest()
+        for buf in self.grad_buffers:
+            if buf is not None:
+                buf.zero_()
+        if self.mode is ReduceMode.SCATTER_STAGED:
+            for seg in self.segments:
+                for p in seg.params:
+                    p.grad = None
+            self._has_data = [False] * len(self.buckets)
+            for shard in self.shard_grads:
+                assert shard is not None
+                shard.zero_()
+        else:
+            self.bind_grad_views()
+        self.used = [[False] * len(s.params) for s in self.segments]
+        self._rounds = 0
+        self._averaged = False
+        self._reset_backward()
+
+    # -- views for the optimizer ---------------------------------------------------------------
+
+    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]:
+        """The tensor holding segment ``seg``'s reduced gradients and whether it is a shard
+        buffer (indexed by shard offsets) rather than a full flat buffer."""
+        shard = self.shard_grads[seg]
+        if shard is not None:
+            return shard, True
+        buf = self.grad_buffers[seg]
+        assert buf is not None
+        return buf, False
+
+    def buffer_bytes(self) -> int:
+        return self._pool.nbytes if self._pool is not None else 0
+
+    def gradient_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.grad_buffers if t is not None) + sum(
+            t.numel() * t.element_size() for t in self.shard_grads if t is not None
+        )
+
+
+class _StagingPool:
+    """A fixed number of staging buffers, each a bucket plus a 1/N scratch for accumulation."""
+
+    def __init__(self, buckets: list[_Bucket], world: int, seg: Segment, count: int) -> None:
+        self._free: list[torch.Tensor] = []
+        self._all: list[torch.Tensor] = []
+        if not buckets:
+            return
+        largest = max(b.flat.numel for b in buckets)
+        for _ in range(count):
+            t = torch.empty(largest + largest // world, dtype=seg.dtype, device=seg.device)
+            self._free.append(t)
+            self._all.append(t)
+
+    @property
+    def available(self) -> bool:
+        return bool(self._free)
+
+    def acquire(self, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._free.pop()
+        return t.narrow(0, 0, numel), t.narrow(0, numel, numel // world)
+
+    def release(self, staging: torch.Tensor) -> None:
+        for t in self._all:
+            if t.data_ptr() == staging.data_ptr():
+                self._free.append(t)
+                return
+        raise AssertionError("released a staging buffer the pool does not own")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._all)
+
+
+def _zeros(numel: int, seg: Segment) -> torch.Tensor:
+    return torch.zeros(numel, dtype=seg.dtype, device=seg.device)
+
+
+def _zero(t: torch.Tensor, start: int, stop: int) -> None:
+    if stop > start:
+        t[start:stop].zero_()

@@ -1,0 +1,121 @@
+"""The measured per-rank memory report, beside the theory from the same estimator formulas.
+
+Measured numbers are the bytes of the tensors the engine actually holds (flat parameter buffers,
+gradient buffers or shards, every tensor in the optimizer state, staging buffers), not a model of
+them; the theory is ``estimator.model_state_bytes`` for the same Ψ, N, stage and optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerodp.memory.estimator import ModelStateBytes, model_state_bytes, optimizer_multiplier
+
+if TYPE_CHECKING:
+    from zerodp.engine import ZeroEngine
+
+_OPTIMIZER_NAMES = {
+    torch.optim.Adam: "adam",
+    torch.optim.AdamW: "adamw",
+    torch.optim.Adagrad: "adagrad",
+    torch.optim.RMSprop: "rmsprop",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Bytes one rank holds, by category. ``theory`` is the paper's formula for the same run."""
+
+    rank: int
+    world_size: int
+    stage: int
+    num_params: int  # Ψ: trainable elements, no padding
+    padded_numel: int  # Ψ plus alignment padding, as stored
+    parameters: int  # trainable parameters (compute dtype), flat buffers
+    gradients: int  # gradient buffers or owned gradient shards
+    optimizer_state: int  # every tensor in the optimizer state (masters included)
+    optimizer_scalar_bytes: int  # of which one-element tensors such as Adam's step counters
+    comm_buffers: int  # bucket / staging buffers
+    frozen_parameters: int  # requires_grad=False parameters, replicated, no optimizer state
+    theory: ModelStateBytes | None  # None if the optimizer's K is not known
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model_states"] = self.model_states
+        return d
+
+
+def measure(engine: ZeroEngine) -> MemoryReport:
+    state_bytes, scalar_bytes = _optimizer_state_bytes(engine.optimizer)
+    num = engine.num_trainable
+    seg_dtype = engine.segments[0].dtype if engine.segments else torch.float32
+    elsize = torch.empty((), dtype=seg_dtype).element_size()
+    return MemoryReport(
+        rank=engine.comm.rank,
+        world_size=engine.comm.world_size,
+        stage=engine.plan.stage,
+        num_params=num,
+        padded_numel=sum(s.layout.padded_numel for s in engine.segments),
+        parameters=sum(_nbytes(s.param_buffer) for s in engine.segments),
+        gradients=engine.reducer.gradient_bytes(),
+        optimizer_state=state_bytes,
+        optimizer_scalar_bytes=scalar_bytes,
+        comm_buffers=engine.reducer.buffer_bytes(),
+        frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
+        theory=_theory(engine, num, elsize),
+    )
+
+
+def _theory(engine: ZeroEngine, num: int, elsize: int) -> ModelStateBytes | None:
+    name = _optimizer_name(engine.optimizer)
+    if name is None:
+        return None
+    k = optimizer_multiplier(name, "fp32" if elsize == 4 else "bf16")
+    return model_state_bytes(
+        num,
+        engine.comm.world_size,
+        engine.plan.stage,
+        param_bytes=elsize,
+        grad_bytes=elsize,
+        optimizer_bytes_per_param=k,
+    )
+
+
+def _optimizer_name(opt: torch.optim.Optimizer) -> str | None:
+    if isinstance(opt, torch.optim.SGD):
+        return "sgd" if opt.defaults.get("momentum", 0) else "sgd-nomomentum"
+    if isinstance(opt, torch.optim.RMSprop) and (
+        opt.defaults.get("momentum", 0) or opt.defaults.get("centered", False)
+    ):
+        return None
+    for cls, name in _OPTIMIZER_NAMES.items():
+        if type(opt) is cls:
+            if name in ("adam", "adamw") and opt.defaults.get("amsgrad", False):
+                return None
+            return name
+    return None
+
+
+def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
+    seen: set[int] = set()
+    total = scalars = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+                if value.numel() > 0:
+                    seen.add(value.data_ptr())
+                total += _nbytes(value)
+                if value.numel() == 1:
+                    scalars += _nbytes(value)
+    return total, scalars
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,123 @@
+"""``ZeroOptimizer``: what ``zerodp.initialize`` returns in place of the user's optimizer.
+
+It *is* a ``torch.optim.Optimizer`` (LR schedulers check that) whose ``param_groups``, ``state``
+and ``defaults`` are the very objects of the user's optimizer after rebinding to pieces, so a
+scheduler that writes ``param_groups[i]["lr"]`` changes what the next step uses. ``step`` runs the
+engine's schedule around the user's optimizer's own ``step``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerodp.comm import CommStats
+from zerodp.memory.report import MemoryReport, measure
+
+if TYPE_CHECKING:
+    from zerodp.engine import ZeroEngine
+
+STATE_FORMAT = "zerodp.optimizer-shard.v1"
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A sharded view of the user's optimizer. Use it exactly like a torch optimizer."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        # Deliberately not calling Optimizer.__init__: it would copy the param groups, and the
+        # groups must stay the inner optimizer's own dicts (see module docstring).
+        inner = engine.optimizer
+        self._engine = engine
+        self.defaults = inner.defaults
+        self.state = inner.state
+        self.param_groups = inner.param_groups
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The user's optimizer, rebound to this rank's pieces."""
+        return self._engine.optimizer
+
+    @property
+    def engine(self) -> ZeroEngine:
+        return self._engine
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._engine.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient. Gradients live in persistent flat buffers (no per-step
+        allocation), so ``set_to_none`` is accepted for compatibility and the buffers are zeroed
+        in place either way."""
+        self._engine.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over
+        the full model, and return that total norm (the same on every rank). Call it between
+        ``backward`` and ``step``."""
+        return self._engine.clip_grad_norm_(max_norm, norm_type)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds by category, beside the paper's formula."""
+        return measure(self._engine)
+
+    def comm_stats(self) -> CommStats | None:
+        """Collective traffic (elements, bytes, calls by kind) of the last completed step."""
+        return self._engine.comm_stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state: the inner optimizer's ``state_dict`` (one
+        entry per owned piece) plus which piece of which parameter each entry is."""
+        sd = self.inner.state_dict()
+        sd["zerodp"] = self._shard_meta()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        meta = state_dict.get("zerodp")
+        if meta is None or meta.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "not a zerodp optimizer shard state_dict (missing 'zerodp' metadata): load the "
+                "dict returned by this rank's ZeroOptimizer.state_dict()"
+            )
+        mine = self._shard_meta()
+        for key in ("world_size", "rank", "stage", "pieces"):
+            if meta[key] != mine[key]:
+                raise ValueError(
+                    f"optimizer state_dict was saved with a different {key} "
+                    f"({_short(meta[key])} vs {_short(mine[key])} now): a shard state_dict "
+                    "loads only on the same rank, world size and stage; use zerodp's sharded "
+                    "checkpoints to reshard"
+                )
+        inner_sd = {k: v for k, v in state_dict.items() if k != "zerodp"}
+        self.inner.load_state_dict(inner_sd)
+
+    def _shard_meta(self) -> dict[str, Any]:
+        e = self._engine
+        return {
+            "format": STATE_FORMAT,
+            "world_size": e.comm.world_size,
+            "rank": e.comm.rank,
+            "stage": e.plan.stage,
+            "pieces": [
+                [op.name, op.piece.param_range.start, op.piece.param_range.stop] for op in e.pieces
+            ],
+        }
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self._engine.plan.stage}, inner={self.inner!r})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."

@@ -1,0 +1,130 @@
+"""Rebinding the user's optimizer from whole parameters to the pieces this rank owns.
+
+The user's ``torch.optim`` optimizer object is kept (its class, hyperparameters, hooks and any
+attribute a scheduler relies on), and each param group's ``"params"`` is replaced by 1-D views
+of the pieces of that group's parameters this rank owns (see [Note: flat buffers]). An
+element-wise optimizer stepping a piece computes exactly what it would on the element range of
+the whole parameter; per-piece state also keeps per-parameter step counts exact (a parameter
+that got no gradient is skipped, as ``torch.optim`` skips a ``None`` grad).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerodp.partition.layout import Piece
+from zerodp.partition.segment import Segment
+
+# Optimizers whose update of an element depends only on that element's gradient and state.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+)
+
+
+@dataclass(slots=True)
+class OptimPiece:
+    """One optimizer-visible tensor: a view of the master storage for ``piece``."""
+
+    seg: int
+    slot: int
+    name: str
+    piece: Piece
+    group: int
+    tensor: torch.Tensor  # 1D view into the master storage; what the optimizer updates
+    grad: torch.Tensor  # 1D view into the reduced-gradient storage
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model_params: Iterable[nn.Parameter]) -> str:
+    """Return an error message (empty if fine) so that every rank can agree before raising."""
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        return (
+            f"zerodp shards optimizer state element-wise and supports {names}; got "
+            f"{type(optimizer).__name__}, whose update mixes elements of a parameter"
+        )
+    known = {id(p) for p in model_params}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in known:
+                return (
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model passed to zerodp.initialize: build the "
+                    "optimizer from model.parameters()"
+                )
+    return ""
+
+
+def group_of_params(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+
+def make_pieces(
+    segments: list[Segment],
+    pieces_per_segment: list[list[Piece]],
+    groups: dict[int, int],
+    master: list[tuple[torch.Tensor, bool]],
+    grads: list[tuple[torch.Tensor, bool]],
+) -> list[OptimPiece]:
+    """Views for every owned piece of every parameter that the optimizer holds."""
+    out: list[OptimPiece] = []
+    for i, (seg, pieces) in enumerate(zip(segments, pieces_per_segment, strict=True)):
+        mflat, msharded = master[i]
+        gflat, gsharded = grads[i]
+        for pc in pieces:
+            group = groups.get(id(seg.params[pc.slot]))
+            if group is None:  # trainable but not given to the optimizer: reduced, never updated
+                continue
+            out.append(
+                OptimPiece(
+                    i,
+                    pc.slot,
+                    seg.names[pc.slot],
+                    pc,
+                    group,
+                    seg.piece_view(mflat, pc, sharded=msharded),
+                    seg.piece_view(gflat, pc, sharded=gsharded),
+                )
+            )
+    return out
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, pieces: list[OptimPiece], segments: list[Segment]
+) -> None:
+    """Replace each group's params by its pieces, converting any existing per-parameter state
+    (e.g. loaded before ``initialize``) to per-piece state. Empty groups stay (empty)."""
+    old_state = {id(p): st for p, st in optimizer.state.items()}
+    for group in optimizer.param_groups:
+        group["params"] = []
+    optimizer.state.clear()
+    for op in pieces:
+        optimizer.param_groups[op.group]["params"].append(op.tensor)
+        param = segments[op.seg].params[op.slot]
+        if id(param) in old_state:
+            optimizer.state[op.tensor] = _slice_state(old_state[id(param)], param, op.piece)
+
+
+def _slice_state(state: dict, param: torch.Tensor, piece: Piece) -> dict:
+    out = {}
+    r = piece.param_range
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            out[key] = value.detach().reshape(-1)[r.start : r.stop].clone()
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()  # scalars such as Adam's step
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,62 @@
+"""A segment's tensors on one rank: the flat parameter buffer and the parameters viewing into it.
+
+See [Note: flat buffers] in ``layout.py`` for the layout. ``Segment`` owns the storage; the
+gradient path (``zerodp.grads``) and the optimizer (``zerodp.optim``) take views of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerodp.partition.layout import FlatLayout, Piece, Range
+
+
+def flat_view(flat: torch.Tensor, r: Range) -> torch.Tensor:
+    return flat.narrow(0, r.start, r.numel)
+
+
+@dataclass
+class Segment:
+    """Trainable parameters of one dtype and device, stored contiguously (``param_buffer``, 1D
+    of ``layout.padded_numel`` elements); each ``nn.Parameter``'s ``.data`` is a view into it."""
+
+    index: int
+    layout: FlatLayout
+    params: list[nn.Parameter]  # by slot index
+    names: list[str]  # by slot index; a tied parameter keeps its first name
+    dtype: torch.dtype
+    device: torch.device
+    param_buffer: torch.Tensor  # 1D, padded_numel
+
+    @classmethod
+    def build(
+        cls, index: int, layout: FlatLayout, params: list[nn.Parameter], names: list[str]
+    ) -> Segment:
+        """Move ``params`` into one new flat buffer. The old per-parameter storage is released
+        as soon as nothing else references it."""
+        first = params[0]
+        buf = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
+        seg = cls(index, layout, params, names, first.dtype, first.device, buf)
+        with torch.no_grad():
+            for slot, p in zip(layout.slots, params, strict=True):
+                view = seg.param_view(slot.index)
+                view.copy_(p.detach())
+                p.data = view
+        return seg
+
+    def param_view(self, slot: int) -> torch.Tensor:
+        s = self.layout.slots[slot]
+        return flat_view(self.param_buffer, s.flat).view(s.spec.shape)
+
+    def piece_view(self, flat: torch.Tensor, piece: Piece, *, sharded: bool) -> torch.Tensor:
+        """``piece`` in ``flat``: a full-size flat buffer, or (``sharded``) a shard buffer."""
+        if sharded:
+            return flat.narrow(0, piece.shard_offset, piece.flat_range.numel)
+        return flat_view(flat, piece.flat_range)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.param_numel

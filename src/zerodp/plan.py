@@ -1,0 +1,53 @@
+"""What each stage shards and how it communicates, resolved once from a ``ZeroConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.config import ZeroConfig
+from zerodp.grads.reducer import ReduceMode
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALIGN_BYTES = 16  # every parameter and every rank's slice starts 16-byte aligned (vector loads)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    stage: int
+    reduce_mode: ReduceMode
+    shard_optimizer: bool  # optimizer state (and masters) only for the owned slice
+    gather_params: bool  # all-gather the updated slices after each step (stages 1-2)
+    bucket_bytes: int
+
+    def bucket_numel(self, dtype: torch.dtype) -> int:
+        return max(1, self.bucket_bytes // _element_size(dtype))
+
+    @staticmethod
+    def align(dtype: torch.dtype) -> int:
+        return max(1, ALIGN_BYTES // _element_size(dtype))
+
+
+def resolve(config: ZeroConfig) -> Plan:
+    modes = {
+        0: ReduceMode.ALL_REDUCE,
+        1: ReduceMode.SCATTER_IN_PLACE,
+        2: ReduceMode.SCATTER_STAGED,
+    }
+    if config.stage not in modes:
+        raise NotImplementedError(
+            "ZeroConfig.stage=3 (parameter partitioning) is not implemented in this version; "
+            "use stage 0, 1 or 2"
+        )
+    return Plan(
+        stage=config.stage,
+        reduce_mode=modes[config.stage],
+        shard_optimizer=config.stage >= 1,
+        gather_params=config.stage in (1, 2),
+        bucket_bytes=config.bucket_bytes,
+    )
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
