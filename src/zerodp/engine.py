@@ -177,12 +177,14 @@ class ZeroEngine:
                 loss = closure()
         self.finish_gradients()
         self.optimizer.step()
-        self._gather_params()
+        self.publish_params()
         self.steps += 1
         self.comm.ledger.end_step()
         return loss
 
-    def _gather_params(self) -> None:
+    def publish_params(self) -> None:
+        """Make every rank's full parameters equal the owners' updated slices (stages 1-2: one
+        all-gather per bucket). Also what a checkpoint load calls after writing the owned slices."""
         if not self.plan.gather_params or self.comm.world_size == 1:
             return
         handles = []
