@@ -83,7 +83,11 @@ class Communicator:
 
     # -- model-data collectives ----------------------------------------------------------------
 
+    # With one rank every collective is the identity: skip the call and record no traffic.
+
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            return Handle(None)
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), MODEL)
         return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
@@ -92,6 +96,9 @@ class Communicator:
     ) -> Handle:
         """Sum ``input`` over ranks; rank r receives chunk r. ``output`` may alias chunk r of
         ``input`` (in-place), which gloo and NCCL both support."""
+        if self.world_size == 1:
+            _copy_unless_alias(output, input)
+            return Handle(None)
         self.ledger.record("reduce_scatter", input.numel(), input.element_size(), MODEL)
         work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         return Handle(work)
@@ -100,12 +107,17 @@ class Communicator:
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias chunk r."""
+        if self.world_size == 1:
+            _copy_unless_alias(output, input)
+            return Handle(None)
         self.ledger.record("all_gather", output.numel(), output.element_size(), MODEL)
         work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
         return Handle(work)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, category: str = MODEL) -> None:
         """Broadcast from group rank ``src``."""
+        if self.world_size == 1:
+            return
         self.ledger.record("broadcast", tensor.numel(), tensor.element_size(), category)
         dist.broadcast(tensor, group=self.group, group_src=src)
 
@@ -123,8 +135,20 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast_object(self, obj: object, src: int = 0) -> Any:
+        """Group rank ``src``'s picklable ``obj`` on every rank (others pass anything)."""
+        box: list[Any] = [obj]
+        self.ledger.record("broadcast_object", 1, 0, CONTROL)
+        dist.broadcast_object_list(box, group=self.group, group_src=src)
+        return box[0]
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+def _copy_unless_alias(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
 
 
 _EXIT_HOOK: list[bool] = []

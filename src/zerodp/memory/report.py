@@ -37,7 +37,7 @@ class MemoryReport:
     parameters: int  # trainable parameters (compute dtype), flat buffers
     gradients: int  # gradient buffers or owned gradient shards
     optimizer_state: int  # every tensor in the optimizer state (masters included)
-    optimizer_scalar_bytes: int  # of which one-element tensors such as Adam's step counters
+    optimizer_scalar_bytes: int  # of which 0-dim tensors such as Adam's step counters
     comm_buffers: int  # bucket / staging buffers
     frozen_parameters: int  # requires_grad=False parameters, replicated, no optimizer state
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
@@ -112,7 +112,7 @@ def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
                 if value.numel() > 0:
                     seen.add(value.data_ptr())
                 total += _nbytes(value)
-                if value.numel() == 1:
+                if value.dim() == 0:
                     scalars += _nbytes(value)
     return total, scalars
 
