@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.optim.clip import clip_grad_norm
+from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
+from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
     OptimPiece,
     check_optimizer,
@@ -30,11 +33,11 @@ from zerodp.optim.pieces import (
     rebind_optimizer,
 )
 from zerodp.partition.layout import ParamSpec, build_layout
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
 from zerodp.validation import agree, check_devices, fingerprint
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("zerodp")
 
 
 class ZeroEngine:
@@ -48,7 +51,11 @@ class ZeroEngine:
     reducer: GradReducer
     pieces: list[OptimPiece]
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
-    steps: int
+    masters: Masters
+    scaler: DynamicLossScaler | None  # fp16 only
+    steps: int  # optimizer steps attempted (skipped ones included)
+    skipped_steps: int
+    last_step: StepInfo | None
 
     def __init__(
         self,
@@ -67,15 +74,35 @@ class ZeroEngine:
         error = check_devices(named, self.comm) or check_optimizer(optimizer, (p for _, p in named))
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
+        self._fp32_ids = _batchnorm_param_ids(model) if self.plan.mixed else set()
         self.segments = self._build_segments(trainable)
         self._broadcast_from_rank0()
-        self.reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode)
+        plan = self.plan
+        self.masters = Masters(
+            self.segments, separate=plan.mixed, sharded=plan.shard_optimizer, rank=self.comm.rank
+        )
+        self._hooks: list[Any] = []
+        if plan.mixed:
+            self._cast_to_compute_dtype()
+        self.reducer = GradReducer(
+            self.segments,
+            self.comm,
+            plan.reduce_mode,
+            reduce_dtype=plan.reduce_dtype if plan.mixed else None,
+        )
         self.reducer.register_hooks()
         self.pieces = self._build_pieces(optimizer)
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.optimizer = optimizer
-        self._hooks = [model.register_forward_pre_hook(self._before_forward)]
+        self.scaler = _make_scaler(config) if plan.loss_scaling else None
+        self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self.steps = 0
+        self.skipped_steps = 0
+        self.last_step = None
+        self._grads_final = False  # finish_gradients ran since the last step / zero_grad
+        self._skip = False  # the current step's gradients are not finite somewhere
+        self._grad_norm: float | None = None
+        self._scaled_backward = False
         self.init_comm = self.comm.ledger.end_step()
         self.comm.ledger.steps.clear()
 
@@ -84,11 +111,15 @@ class ZeroEngine:
     def _build_segments(self, trainable: list[tuple[str, nn.Parameter]]) -> list[Segment]:
         # DDP's order: reversed registration order approximates the order gradients are ready.
         ordered = list(reversed(trainable))
-        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        by_kind: dict[tuple[torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in ordered:
-            by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+            key = (p.dtype, p.device, id(p) in self._fp32_ids)
+            by_kind.setdefault(key, []).append((name, p))
         segments = []
-        for i, ((dtype, _), items) in enumerate(by_kind.items()):
+        for i, ((dtype, _, keep_fp32), items) in enumerate(by_kind.items()):
+            # Buckets and alignment are sized for the dtype the segment is stored in.
+            if self.plan.mixed and not keep_fp32:
+                dtype = self.plan.compute_dtype
             specs = [ParamSpec(n, tuple(p.shape)) for n, p in items]
             layout = build_layout(
                 specs,
@@ -111,44 +142,104 @@ class ZeroEngine:
             for b in self.model.buffers():
                 self.comm.broadcast(b)
 
+    def _cast_to_compute_dtype(self) -> None:
+        """Compute copies: trainable and frozen floating parameters in the compute dtype; module
+        buffers keep their dtype. BatchNorm layers (whose running statistics must stay fp32 and
+        whose kernels need parameters of the statistics' dtype) stay entirely fp32: their input
+        is cast to fp32 and their output back to the compute dtype."""
+        dtype = self.plan.compute_dtype
+        for seg in self.segments:
+            if id(seg.params[0]) not in self._fp32_ids:
+                seg.cast_(dtype)
+        for _, p in self.frozen:
+            if p.is_floating_point() and id(p) not in self._fp32_ids:
+                p.data = p.data.to(dtype)
+        for module in self.model.modules():
+            if isinstance(module, _BatchNorm):
+                self._hooks.append(module.register_forward_pre_hook(_to_fp32_inputs))
+                self._hooks.append(module.register_forward_hook(self._to_compute_output))
+
+    def _to_compute_output(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return _cast_floats(output, self.plan.compute_dtype)
+
     def _build_pieces(self, optimizer: torch.optim.Optimizer) -> list[OptimPiece]:
         rank = self.comm.rank
         per_seg = [
             s.layout.pieces(rank) if self.plan.shard_optimizer else s.layout.full_pieces()
             for s in self.segments
         ]
-        master = [(s.param_buffer, False) for s in self.segments]
+        master = [self.masters.storage(i) for i in range(len(self.segments))]
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, group_of_params(optimizer), master, grads)
 
     # -- the training step ---------------------------------------------------------------------
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
+    def _before_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.config.broadcast_buffers and self.comm.world_size > 1:
             with torch.no_grad():
                 for b in module.buffers():
                     self.comm.broadcast(b)
+        if not self.plan.mixed:
+            return None
+        dtype = self.plan.compute_dtype
+        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, multiplied by the loss scale under fp16."""
+        self._scaled_backward = True
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
 
     def finish_gradients(self) -> None:
-        """Wait for the step's reductions and agree on which parameters got a gradient."""
-        if self.reducer._averaged:  # already done for this step
+        """Wait for the step's reductions, make the owned gradients final (fp32, averaged,
+        unscaled) and agree across ranks on which parameters got a gradient and whether every
+        gradient is finite. Idempotent until the step."""
+        if self._grads_final:
             return
+        if self.scaler is not None and not self._scaled_backward:
+            raise RuntimeError(
+                "precision='fp16' scales the loss: call opt.backward(loss) instead of "
+                "loss.backward() (the only change fp16 needs in the training loop)"
+            )
         self.reducer.finish()
-        used = self._agree_on_used()
-        for op in self.pieces:
-            op.tensor.grad = op.grad if used[op.seg][op.slot] else None
+        views = self._owned_grads()
+        nonfinite = self.plan.check_finite and not all(
+            bool(torch.isfinite(g).all()) for g in self.masters.grads()
+        )
+        used, self._skip = self._agree(nonfinite)
+        for op, view in zip(self.pieces, views, strict=True):
+            op.tensor.grad = view if used[op.seg][op.slot] else None
+        self._grads_final = True
 
-    def _agree_on_used(self) -> list[list[bool]]:
-        """One small all-reduce (MAX) of [used bit per parameter..., error flag]: a parameter
-        gets an update iff some rank produced a gradient for it, exactly as in unsharded
-        training; the flag makes every rank raise together instead of leaving others hanging."""
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """Per piece, the gradient the optimizer sees: a view of the reduced gradient storage
+        (fp32 training), or of an fp32 copy divided by the loss scale (mixed precision)."""
+        if not self.plan.mixed:
+            return [op.grad for op in self.pieces]
+        scale = 1.0 / self.scaler.scale if self.scaler else 1.0
+        fp32 = self.masters.fp32_grads(self.reducer, scale)
+        sharded = self.masters.sharded
+        return [
+            self.segments[op.seg].piece_view(fp32[op.seg], op.piece, sharded=sharded)
+            for op in self.pieces
+        ]
+
+    def _agree(self, nonfinite: bool) -> tuple[list[list[bool]], bool]:
+        """One small all-reduce (MAX) of [used bit per parameter..., error, non-finite]: a
+        parameter gets an update iff some rank produced a gradient for it, exactly as in
+        unsharded training; a step is skipped on every rank if any rank saw a non-finite
+        gradient; an error flag makes every rank raise together instead of leaving others
+        hanging in the next collective."""
         flags = [u for seg in self.reducer.used for u in seg]
         changed = self._requires_grad_changed()
-        t = torch.tensor([*flags, bool(changed)], dtype=torch.uint8)
+        t = torch.tensor([*flags, bool(changed), nonfinite], dtype=torch.uint8)
         t = t.to(self.segments[0].device if self.segments else "cpu")
         self.comm.all_reduce_control(t, op="max")
         bits = t.tolist()
-        if bits[-1]:
+        if bits[-2]:
             raise RuntimeError(
                 "requires_grad of a parameter changed after zerodp.initialize "
                 f"({changed or 'on another rank'}); freezing or unfreezing after initialize is "
@@ -158,7 +249,7 @@ class ZeroEngine:
         for seg in self.reducer.used:
             out.append([bool(b) for b in bits[k : k + len(seg)]])
             k += len(seg)
-        return out
+        return out, bool(bits[-1])
 
     def _requires_grad_changed(self) -> str:
         for seg in self.segments:
@@ -176,45 +267,61 @@ class ZeroEngine:
             with torch.enable_grad():
                 loss = closure()
         self.finish_gradients()
-        self.optimizer.step()
-        self.publish_params()
+        scale = self.scaler.scale if self.scaler else None
         self.steps += 1
+        if self._skip:
+            self.skipped_steps += 1
+            reason = "non-finite gradients"
+            log.warning(
+                "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
+                self.steps,
+                reason,
+                f", loss scale {scale:g}" if scale else "",
+                self.skipped_steps,
+            )
+        else:
+            reason = None
+            self.optimizer.step()
+            self.publish_params()
+        if self.scaler is not None:
+            self.scaler.update(finite=not self._skip)
+        self.last_step = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm)
+        self._end_step()
         self.comm.ledger.end_step()
         return loss
 
+    def _end_step(self) -> None:
+        self.masters.drop_grads()
+        if self.plan.mixed:
+            for op in self.pieces:
+                op.tensor.grad = None
+        self._grads_final = False
+        self._skip = False
+        self._grad_norm = None
+        self._scaled_backward = False
+
     def publish_params(self) -> None:
-        """Make every rank's full parameters equal the owners' updated slices (stages 1-2: one
-        all-gather per bucket). Also what a checkpoint load calls after writing the owned slices."""
-        if not self.plan.gather_params or self.comm.world_size == 1:
-            return
-        handles = []
-        with torch.no_grad():
-            for seg in self.segments:
-                lay = seg.layout
-                for b, bucket in enumerate(lay.buckets):
-                    full = flat_view(seg.param_buffer, bucket)
-                    owned = flat_view(seg.param_buffer, lay.bucket_shard(b, self.comm.rank))
-                    handles.append(self.comm.all_gather(full, owned, async_op=True))
-        for h in handles:
-            h.wait()
+        """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
+        all-gather the owned slices (stages 1-2). Also what a checkpoint load calls after writing
+        the owned masters."""
+        self.masters.publish(self.comm, gather=self.plan.gather_params)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
         for op in self.pieces:
             op.tensor.grad = None
+        self.masters.drop_grads()
+        self._grads_final = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.finish_gradients()
         grads = [op.tensor.grad for op in self.pieces if op.tensor.grad is not None]
         device = self.segments[0].device if self.segments else torch.device("cpu")
-        return clip_grad_norm(
-            grads,
-            max_norm,
-            norm_type,
-            self.comm,
-            sharded=self.plan.shard_optimizer,
-            device=device,
+        norm = clip_grad_norm(
+            grads, max_norm, norm_type, self.comm, sharded=self.plan.shard_optimizer, device=device
         )
+        self._grad_norm = float(norm)
+        return norm
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -230,6 +337,40 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         for h in self._hooks:
             h.remove()
+
+
+def _make_scaler(config: ZeroConfig) -> DynamicLossScaler:
+    fixed = config.loss_scale is not None
+    return DynamicLossScaler(
+        initial_scale=config.loss_scale if config.loss_scale is not None else config.initial_scale,
+        growth_factor=config.growth_factor,
+        backoff_factor=config.backoff_factor,
+        growth_interval=config.growth_interval,
+        hysteresis=config.hysteresis,
+        min_scale=config.min_loss_scale,
+        dynamic=not fixed,
+    )
+
+
+def _batchnorm_param_ids(model: nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
+
+
+def _to_fp32_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _cast_floats(args, torch.float32)
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in (nested) forward inputs, cast to the compute dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

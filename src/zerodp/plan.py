@@ -20,6 +20,11 @@ class Plan:
     shard_optimizer: bool  # optimizer state (and masters) only for the owned slice
     gather_params: bool  # all-gather the updated slices after each step (stages 1-2)
     bucket_bytes: int
+    compute_dtype: torch.dtype  # dtype of the model's parameters and gradients
+    reduce_dtype: torch.dtype  # dtype gradients are summed in across ranks
+    mixed: bool  # separate fp32 masters (see [Note: mixed precision] in optim/masters.py)
+    loss_scaling: bool  # fp16: scale the loss, skip non-finite steps, adapt the scale
+    check_finite: bool  # skip a step whose gradients are not finite on some rank
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.bucket_bytes // _element_size(dtype))
@@ -46,6 +51,11 @@ def resolve(config: ZeroConfig) -> Plan:
         shard_optimizer=config.stage >= 1,
         gather_params=config.stage in (1, 2),
         bucket_bytes=config.bucket_bytes,
+        compute_dtype=DTYPES[config.precision],
+        reduce_dtype=DTYPES[config.reduce_dtype],
+        mixed=config.precision != "fp32",
+        loss_scaling=config.precision == "fp16",
+        check_finite=config.precision != "fp32",
     )
 
 

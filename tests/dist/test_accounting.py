@@ -31,13 +31,13 @@ class Wide(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def case_accounting(stage: int) -> dict:
+def case_accounting(stage: int, precision: str = "fp32") -> dict:
     model = build(Wide)
-    cfg = zerodp.ZeroConfig(stage=stage, bucket_bytes=BUCKET_BYTES)
+    cfg = zerodp.ZeroConfig(stage=stage, bucket_bytes=BUCKET_BYTES, precision=precision)
     model, opt = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
     for _ in range(2):
         x = torch.randn(4, 61)
-        F.mse_loss(model(x), torch.zeros(4, 1)).backward()
+        opt.backward(F.mse_loss(model(x).float(), torch.zeros(4, 1)))
         opt.step()
         opt.zero_grad()
     report = opt.memory_report()
@@ -99,3 +99,35 @@ def test_memory_and_traffic_match_theory(world, world_size, stage):
         assert o["volume"] == 2 * padded
     if stage > 0:
         assert sum(o["owned"] for o in out) == psi  # the shards partition Ψ exactly
+
+
+def case_bf16_accounting(stage: int) -> dict:
+    return case_accounting(stage, "bf16")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_mixed_precision_memory_matches_paper(world, world_size, stage):
+    """bf16 AdamW: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N (paper, K = 12)."""
+    out = world(world_size).run(case_bf16_accounting, stage, timeout=TIMEOUT)
+    psi = 61 * 67 + 67 + 67 * 3 + 3 + 3 + 1
+    n = world_size
+    for o in out:
+        r = o["report"]
+        padded = r["padded_numel"]
+        shard = padded // n
+        assert r["precision"] == "bf16"
+        assert r["parameters"] == 2 * padded
+        assert r["gradients"] == 2 * (padded if stage < 2 else shard)
+        masters = 4 * (padded if stage == 0 else shard)
+        assert r["master_parameters"] == masters
+        assert r["optimizer_state"] == masters + 8 * o["owned"] + 4 * o["pieces"]
+        assert r["step_transient"] == masters  # the fp32 owned gradient during the step
+        # Reduction in fp32 through two staging buckets (bucket_bytes of bf16 = 2048 elements).
+        bucket = (BUCKET_BYTES // 2) // (8 * n) * (8 * n)
+        assert r["comm_buffers"] == 2 * 4 * (bucket + bucket // n)
+        paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
+        theory = r["theory"]
+        assert theory["parameters"] + theory["gradients"] + theory["optimizer_state"] == paper
+        measured = r["model_states"] - r["optimizer_scalar_bytes"]
+        assert abs(measured - paper) <= 16 * (padded - psi), (measured, paper)

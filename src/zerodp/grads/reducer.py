@@ -12,9 +12,10 @@ Three modes, one per way of holding gradients:
     Gradients live in a full flat buffer (``param.grad`` are views into it, so autograd
     accumulates in place); each bucket is all-reduced and divided by N: DDP exactly.
 ``SCATTER_IN_PLACE`` (stage 1)
-    The same full buffer; each bucket is reduce-scattered in place into this rank's slice, and
-    the other slices are zeroed (they were consumed). The owned slice keeps a running *sum* over
-    the step's backward passes; ``finish`` divides it by N once.
+    The same full buffer; each bucket is reduce-scattered in place into this rank's slice and
+    divided by N, and the other slices are zeroed (they were consumed). The owned slice then
+    mixes reduced and local values, so a step reduces exactly once: accumulation goes through
+    ``no_sync`` (a second synchronised backward before ``zero_grad`` raises).
 ``SCATTER_STAGED`` (stage 2)
     No full gradient buffer. At launch the bucket's gradients are copied into one of a fixed
     pool of staging buffers (then ``param.grad`` is freed), reduce-scattered into the owned
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from zerodp.comm import Communicator, Handle
+from zerodp.grads.staging import StagingPool, zero_range, zeros_like_shard
 from zerodp.partition.layout import Range
 from zerodp.partition.segment import Segment, flat_view
 
@@ -67,6 +69,7 @@ class GradReducer:
         segments: list[Segment],
         comm: Communicator,
         mode: ReduceMode,
+        reduce_dtype: torch.dtype | None = None,
         staging_buffers: int = 2,
     ) -> None:
         self.segments = segments
@@ -75,21 +78,30 @@ class GradReducer:
         self.world = comm.world_size
         self.sync_enabled = True
         staged = mode is ReduceMode.SCATTER_STAGED
+        # Reducing in another dtype than the gradients are stored in goes through staging too.
+        self._convert = [reduce_dtype is not None and s.dtype != reduce_dtype for s in segments]
         # [Note: gradient storage] full buffers (stages 0-1) or owned shards (stage 2).
         self.grad_buffers: list[torch.Tensor | None] = [
             None if staged else torch.zeros_like(s.param_buffer) for s in segments
         ]
         self.shard_grads: list[torch.Tensor | None] = [
-            _zeros(s.layout.shard_numel, s) if staged else None for s in segments
+            zeros_like_shard(s) if staged else None for s in segments
         ]
         self.buckets = self._global_buckets()
         self._slot_buckets = [
             [[self._seg_bucket_ids[i][b] for b in buckets] for buckets in seg.layout.slot_buckets]
             for i, seg in enumerate(segments)
         ]
+        needs_pool = segments and (staged or any(self._convert))
         self._pool = (
-            _StagingPool(self.buckets, self.world, segments[0], staging_buffers)
-            if staged and segments
+            StagingPool(
+                [b.flat.numel for b in self.buckets],
+                self.world,
+                reduce_dtype or segments[0].dtype,
+                segments[0].device,
+                staging_buffers,
+            )
+            if needs_pool
             else None
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
@@ -164,13 +176,16 @@ class GradReducer:
         return hook
 
     def _on_grad_ready(self, seg: int, slot: int, param: torch.Tensor) -> None:
-        if self._averaged and self.mode is ReduceMode.SCATTER_IN_PLACE:
+        first_of_backward = not self._callback_queued
+        in_place = self.mode is ReduceMode.SCATTER_IN_PLACE
+        if first_of_backward and in_place and self.sync_enabled and self._rounds:
             raise RuntimeError(
-                "zerodp stage 1: backward() ran after optimizer.step() without "
-                "optimizer.zero_grad(); stage 1 reduces gradients into shards, so gradients "
-                "cannot accumulate across steps: call optimizer.zero_grad() after each step"
+                "zerodp stage 1 reduces a step's gradients exactly once, but a second "
+                "synchronised backward ran before optimizer.zero_grad(): accumulate micro-batches "
+                "inside model.no_sync() (all but the last) and call optimizer.zero_grad() after "
+                "each step"
             )
-        if not self._callback_queued:
+        if first_of_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
         self.used[seg][slot] = True
@@ -222,39 +237,58 @@ class GradReducer:
         buf = self.grad_buffers[bucket.seg]
         assert buf is not None
         view = flat_view(buf, bucket.flat)
-        handle = self.comm.all_reduce(view, async_op=True)
+        if not self._convert[bucket.seg]:
+            handle = self.comm.all_reduce(view, async_op=True)
 
-        def average() -> None:
-            view.div_(self.world)
+            def average() -> None:
+                view.div_(self.world)
 
-        self._inflight.append(_InFlight(gb, handle, average))
+            self._inflight.append(_InFlight(gb, handle, average))
+            return
+        staging, _ = self._acquire(bucket.flat.numel)
+        staging.copy_(view)
+        handle = self.comm.all_reduce(staging, async_op=True)
+
+        def average_and_store() -> None:
+            staging.div_(self.world)
+            view.copy_(staging)
+            self._release(staging)
+
+        self._inflight.append(_InFlight(gb, handle, average_and_store))
 
     def _launch_in_place(self, gb: int, bucket: _Bucket) -> None:
         buf = self.grad_buffers[bucket.seg]
         assert buf is not None
         view = flat_view(buf, bucket.flat)
-        owned = flat_view(buf, bucket.owned)
-        handle = self.comm.reduce_scatter(owned, view, async_op=True)
         lo = bucket.owned.start - bucket.flat.start
         hi = bucket.owned.stop - bucket.flat.start
+        staging: torch.Tensor | None = None
+        if self._convert[bucket.seg]:
+            staging, _ = self._acquire(bucket.flat.numel)
+            staging.copy_(view)
+            handle = self.comm.reduce_scatter(staging[lo:hi], staging, async_op=True)
+        else:
+            handle = self.comm.reduce_scatter(view[lo:hi], view, async_op=True)
 
         def consume_others() -> None:
+            if staging is not None:
+                view[lo:hi].copy_(staging[lo:hi].div_(self.world))
+                self._release(staging)
+            else:
+                view[lo:hi].div_(self.world)
             view[:lo].zero_()
             view[hi:].zero_()
 
         self._inflight.append(_InFlight(gb, handle, consume_others))
 
     def _launch_staged(self, gb: int, bucket: _Bucket) -> None:
-        assert self._pool is not None
-        while not self._pool.available and self._inflight:
-            self._wait_oldest()
-        staging, scratch = self._pool.acquire(bucket.flat.numel, self.world)
+        staging, scratch = self._acquire(bucket.flat.numel)
         self._fill_staging(bucket, staging)
         shard = self.shard_grads[bucket.seg]
         assert shard is not None
         target = shard.narrow(0, bucket.shard_offset, bucket.owned.numel)
         accumulate = self._has_data[gb]
-        out = scratch if accumulate else target
+        out = scratch if (accumulate or self._convert[bucket.seg]) else target
         handle = self.comm.reduce_scatter(out, staging, async_op=True)
         self._has_data[gb] = True
 
@@ -262,7 +296,9 @@ class GradReducer:
             out.div_(self.world)
             if accumulate:
                 target.add_(out)
-            self._pool.release(staging)  # type: ignore[union-attr]
+            elif out is not target:
+                target.copy_(out)
+            self._release(staging)
 
         self._inflight.append(_InFlight(gb, handle, post))
 
@@ -275,7 +311,7 @@ class GradReducer:
             slot = seg.layout.slots[s]
             part = slot.flat.intersect(bucket.flat)
             assert part is not None
-            _zero(staging, cursor - bucket.flat.start, part.start - bucket.flat.start)
+            zero_range(staging, cursor - bucket.flat.start, part.start - bucket.flat.start)
             dst = staging.narrow(0, part.start - bucket.flat.start, part.numel)
             grad = seg.params[s].grad
             if grad is None:
@@ -285,7 +321,19 @@ class GradReducer:
                 if part.stop == slot.flat.stop:
                     seg.params[s].grad = None
             cursor = part.stop
-        _zero(staging, cursor - bucket.flat.start, bucket.flat.numel)
+        zero_range(staging, cursor - bucket.flat.start, bucket.flat.numel)
+
+    def _acquire(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staging bucket and its 1/N scratch; waits for the oldest in-flight bucket when
+        all buffers are taken (they are only ever held by launched collectives)."""
+        assert self._pool is not None
+        while not self._pool.available and self._inflight:
+            self._wait_oldest()
+        return self._pool.acquire(numel, self.world)
+
+    def _release(self, staging: torch.Tensor) -> None:
+        assert self._pool is not None
+        self._pool.release(staging)
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -304,11 +352,6 @@ class GradReducer:
             self._reset_backward()
         while self._inflight:
             self._wait_oldest()
-        if self.mode is ReduceMode.SCATTER_IN_PLACE:
-            for bucket in self.buckets:
-                buf = self.grad_buffers[bucket.seg]
-                assert buf is not None
-                flat_view(buf, bucket.owned).div_(self.world)
         self._averaged = True
 
     def zero_grad(self) -> None:
@@ -351,46 +394,3 @@ class GradReducer:
         return sum(t.numel() * t.element_size() for t in self.grad_buffers if t is not None) + sum(
             t.numel() * t.element_size() for t in self.shard_grads if t is not None
         )
-
-
-class _StagingPool:
-    """A fixed number of staging buffers, each a bucket plus a 1/N scratch for accumulation."""
-
-    def __init__(self, buckets: list[_Bucket], world: int, seg: Segment, count: int) -> None:
-        self._free: list[torch.Tensor] = []
-        self._all: list[torch.Tensor] = []
-        if not buckets:
-            return
-        largest = max(b.flat.numel for b in buckets)
-        for _ in range(count):
-            t = torch.empty(largest + largest // world, dtype=seg.dtype, device=seg.device)
-            self._free.append(t)
-            self._all.append(t)
-
-    @property
-    def available(self) -> bool:
-        return bool(self._free)
-
-    def acquire(self, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self._free.pop()
-        return t.narrow(0, 0, numel), t.narrow(0, numel, numel // world)
-
-    def release(self, staging: torch.Tensor) -> None:
-        for t in self._all:
-            if t.data_ptr() == staging.data_ptr():
-                self._free.append(t)
-                return
-        raise AssertionError("released a staging buffer the pool does not own")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._all)
-
-
-def _zeros(numel: int, seg: Segment) -> torch.Tensor:
-    return torch.zeros(numel, dtype=seg.dtype, device=seg.device)
-
-
-def _zero(t: torch.Tensor, start: int, stop: int) -> None:
-    if stop > start:
-        t[start:stop].zero_()

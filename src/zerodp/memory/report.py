@@ -36,10 +36,13 @@ class MemoryReport:
     padded_numel: int  # Ψ plus alignment padding, as stored
     parameters: int  # trainable parameters (compute dtype), flat buffers
     gradients: int  # gradient buffers or owned gradient shards
-    optimizer_state: int  # every tensor in the optimizer state (masters included)
+    optimizer_state: int  # every tensor in the optimizer state, fp32 masters included
+    master_parameters: int  # of which fp32 master copies (mixed precision; 0 in fp32)
     optimizer_scalar_bytes: int  # of which 0-dim tensors such as Adam's step counters
     comm_buffers: int  # bucket / staging buffers
     frozen_parameters: int  # requires_grad=False parameters, replicated, no optimizer state
+    step_transient: int  # fp32 owned gradient alive only from end of backward to end of step
+    precision: str
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
 
     @property
@@ -65,10 +68,13 @@ def measure(engine: ZeroEngine) -> MemoryReport:
         padded_numel=sum(s.layout.padded_numel for s in engine.segments),
         parameters=sum(_nbytes(s.param_buffer) for s in engine.segments),
         gradients=engine.reducer.gradient_bytes(),
-        optimizer_state=state_bytes,
+        optimizer_state=state_bytes + engine.masters.nbytes,
+        master_parameters=engine.masters.nbytes,
         optimizer_scalar_bytes=scalar_bytes,
         comm_buffers=engine.reducer.buffer_bytes(),
         frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
+        step_transient=engine.masters.transient_bytes(),
+        precision=engine.config.precision,
         theory=_theory(engine, num, elsize),
     )
 
@@ -77,7 +83,7 @@ def _theory(engine: ZeroEngine, num: int, elsize: int) -> ModelStateBytes | None
     name = _optimizer_name(engine.optimizer)
     if name is None:
         return None
-    k = optimizer_multiplier(name, "fp32" if elsize == 4 else "bf16")
+    k = optimizer_multiplier(name, engine.config.precision)
     return model_state_bytes(
         num,
         engine.comm.world_size,

@@ -16,6 +16,7 @@ import torch
 
 from zerodp.comm import CommStats
 from zerodp.memory.report import MemoryReport, measure
+from zerodp.optim.loss_scaler import StepInfo
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
@@ -55,6 +56,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._engine.step(closure)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` that works for every precision: under fp16 it multiplies the loss
+        by the current loss scale first (gradients are unscaled before clipping and the step).
+        With fp16 this is the one change the training loop needs."""
+        self._engine.backward(loss)
+
+    @property
+    def last_step(self) -> StepInfo | None:
+        """What the last ``step()`` did: skipped or not (and why), the loss scale, the norm."""
+        return self._engine.last_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because some rank had non-finite gradients."""
+        return self._engine.skipped_steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``None`` without loss scaling)."""
+        scaler = self._engine.scaler
+        return scaler.scale if scaler is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient. Gradients live in persistent flat buffers (no per-step

@@ -47,6 +47,15 @@ class Segment:
                 p.data = view
         return seg
 
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Re-store the parameters in ``dtype`` (mixed precision's compute copy)."""
+        if dtype == self.dtype:
+            return
+        self.param_buffer = self.param_buffer.to(dtype)
+        self.dtype = dtype
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            p.data = self.param_view(slot.index)
+
     def param_view(self, slot: int) -> torch.Tensor:
         s = self.layout.slots[slot]
         return flat_view(self.param_buffer, s.flat).view(s.spec.shape)

@@ -1,0 +1,58 @@
+"""Staging buffers for gradient reduction: a fixed pool, so their memory is set by the bucket
+size and never by the model size (ZeRO-R's constant-size buffers)."""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.partition.segment import Segment
+
+
+class StagingPool:
+    """A fixed number of staging buffers, each a bucket plus a 1/N scratch for accumulation."""
+
+    def __init__(
+        self,
+        bucket_numels: list[int],
+        world: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        count: int,
+    ) -> None:
+        self._free: list[torch.Tensor] = []
+        self._all: list[torch.Tensor] = []
+        if not bucket_numels:
+            return
+        largest = max(bucket_numels)
+        for _ in range(count):
+            t = torch.empty(largest + largest // world, dtype=dtype, device=device)
+            self._free.append(t)
+            self._all.append(t)
+
+    @property
+    def available(self) -> bool:
+        return bool(self._free)
+
+    def acquire(self, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._free.pop()
+        return t.narrow(0, 0, numel), t.narrow(0, numel, numel // world)
+
+    def release(self, staging: torch.Tensor) -> None:
+        for t in self._all:
+            if t.data_ptr() == staging.data_ptr():
+                self._free.append(t)
+                return
+        raise AssertionError("released a staging buffer the pool does not own")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._all)
+
+
+def zeros_like_shard(seg: Segment) -> torch.Tensor:
+    return torch.zeros(seg.layout.shard_numel, dtype=seg.dtype, device=seg.device)
+
+
+def zero_range(t: torch.Tensor, start: int, stop: int) -> None:
+    if stop > start:
+        t[start:stop].zero_()

@@ -1,0 +1,120 @@
+"""Master parameters: what the optimizer updates, and how updates reach the model.
+
+[Note: mixed precision]
+fp32 training: the optimizer's pieces are views of the model's own flat parameter buffer, so a
+step updates the model in place (then stages 1-2 all-gather the owned slices).
+
+bf16/fp16 training (``ZeroConfig.precision``): the model's parameters and gradients are in the
+compute dtype; an fp32 master copy exists only for the owned pieces (stages 1-2: a shard buffer
+of ``shard_numel``; stage 0: the whole flat space), initialised from the fp32 parameters before
+they are cast. At each step the owned gradient is materialised in fp32 (averaged, unscaled),
+the optimizer steps the fp32 masters, and ``publish`` casts the updated masters into the
+compute-dtype buffer before the all-gather. At rest a rank holds exactly the paper's model states
+(2Ψ params + 2Ψ or 2Ψ/N grads + 12Ψ or 12Ψ/N for masters, momentum, variance); the fp32 owned
+gradient exists only between the end of backward and the end of ``step``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.comm import Communicator
+from zerodp.grads.reducer import GradReducer
+from zerodp.partition.segment import Segment, flat_view
+
+
+class Masters:
+    """Master storage for every segment; see [Note: mixed precision]."""
+
+    def __init__(self, segments: list[Segment], *, separate: bool, sharded: bool, rank: int):
+        self.segments = segments
+        self.separate = separate  # fp32 copies (mixed precision) rather than the params
+        self.sharded = sharded and separate  # master buffers indexed by shard offsets
+        self.rank = rank
+        self.buffers: list[torch.Tensor] = []
+        for seg in segments:
+            if not separate:
+                self.buffers.append(seg.param_buffer)
+            elif sharded:
+                self.buffers.append(self._gather_owned(seg, seg.param_buffer).float())
+            else:
+                self.buffers.append(seg.param_buffer.detach().float().clone())
+        self._grads: list[torch.Tensor | None] = [None] * len(segments)
+
+    def _gather_owned(self, seg: Segment, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slices of ``flat`` (a full-size flat buffer), concatenated in bucket order:
+        the shard-buffer layout."""
+        lay = seg.layout
+        parts = [flat_view(flat, lay.bucket_shard(b, self.rank)) for b in range(len(lay.buckets))]
+        if not parts:
+            return flat.new_zeros(0)
+        return torch.cat(parts)
+
+    def storage(self, i: int) -> tuple[torch.Tensor, bool]:
+        return self.buffers[i], self.sharded
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def fp32_grads(self, reducer: GradReducer, scale: float) -> list[torch.Tensor]:
+        """Materialise the owned fp32 gradient of every segment, multiplied by ``scale``
+        (1/loss_scale). Kept until ``drop_grads``."""
+        out = []
+        for i, seg in enumerate(self.segments):
+            storage, is_shard = reducer.grad_storage(i)
+            if is_shard or not self.sharded:
+                g = storage.float()
+            else:
+                g = self._gather_owned(seg, storage).float()
+            if scale != 1.0:
+                g.mul_(scale)
+            self._grads[i] = g
+            out.append(g)
+        return out
+
+    def grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients materialised for the current step (empty in fp32 training)."""
+        return [g for g in self._grads if g is not None]
+
+    def drop_grads(self) -> None:
+        self._grads = [None] * len(self.segments)
+
+    def transient_bytes(self) -> int:
+        return sum(b.numel() * 4 for b in self.buffers) if self.separate else 0
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish(self, comm: Communicator, gather: bool) -> None:
+        """Refresh the model's parameters from the masters: cast (mixed precision), then
+        all-gather the owned slices (stages 1-2)."""
+        with torch.no_grad():
+            if self.separate:
+                for seg, master in zip(self.segments, self.buffers, strict=True):
+                    if self.sharded:
+                        self._scatter_owned(seg, master, seg.param_buffer)
+                    else:
+                        seg.param_buffer.copy_(master)
+            if gather and comm.world_size > 1:
+                self._all_gather(comm)
+
+    def _scatter_owned(self, seg: Segment, shard: torch.Tensor, flat: torch.Tensor) -> None:
+        lay = seg.layout
+        for b in range(len(lay.buckets)):
+            owned = lay.bucket_shard(b, self.rank)
+            src = shard.narrow(0, lay.bucket_shard_offset(b), owned.numel)
+            flat_view(flat, owned).copy_(src)
+
+    def _all_gather(self, comm: Communicator) -> None:
+        handles = []
+        for seg in self.segments:
+            lay = seg.layout
+            for b, bucket in enumerate(lay.buckets):
+                full = flat_view(seg.param_buffer, bucket)
+                owned = flat_view(seg.param_buffer, lay.bucket_shard(b, self.rank))
+                handles.append(comm.all_gather(full, owned, async_op=True))
+        for h in handles:
+            h.wait()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of fp32 master copies (0 when the masters are the parameters themselves)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers) if self.separate else 0
