@@ -1,0 +1,124 @@
+"""Offline consolidation: a sharded checkpoint -> one plain ``state_dict`` safetensors file.
+
+No process group, no model: the manifest says every key of the plain model's ``state_dict``
+(tied weights under each of their names), its shape, and where its elements are. The output
+header is written first, then each tensor is assembled from its saved ranges, cast, written and
+dropped, and the shard files are unmapped before the next one, so the peak memory is about the
+largest tensor (twice when casting) whatever the model's size. docs/checkpoints.md has numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerodp.checkpoint import directory as fs
+from zerodp.checkpoint.checks import check_file, check_manifest
+from zerodp.checkpoint.manifest import (
+    COMMON_FILE,
+    CheckpointError,
+    Manifest,
+    Source,
+    buffer_key,
+    plan_reads,
+    read_manifest,
+    sources_by_name,
+)
+from zerodp.checkpoint.tensorfile import (
+    ShardReader,
+    TensorFileWriter,
+    TensorSpec,
+    dtype_from_name,
+)
+from zerodp.partition.layout import Range
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    path: Path
+    checkpoint: Path
+    step: int
+    tensors: int
+    bytes: int
+    sha256: str
+
+
+def consolidate_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    verify: bool = True,
+) -> ConsolidateResult:
+    """Write the full ``state_dict`` of the model in ``checkpoint`` (a checkpoint directory, or
+    a root whose ``latest`` is used) to the safetensors file ``output``, loadable with
+    ``model.load_state_dict(safetensors.torch.load_file(output))``. Parameters are the saved
+    master values (fp32 under mixed precision); ``dtype`` ("fp32", "bf16", "fp16" or a torch
+    dtype) casts every floating-point tensor. ``verify`` checks every file's SHA-256 first.
+    The output appears atomically (written to a temporary name, then renamed)."""
+    path = fs.resolve(checkpoint)
+    m = read_manifest(path)
+    problems = check_manifest(m)
+    if verify:
+        problems += [check_file(path, f, rec) for f, rec in sorted(m.files.items())]
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointError(f"cannot consolidate {path}:\n  " + "\n  ".join(problems))
+    cast = _parse_dtype(dtype)
+    specs = [_spec(m, key, kind, target, cast) for key, kind, target in m.state_dict]
+    out = Path(output)
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
+    sources = sources_by_name(m)
+    metadata = {"format": "pt", "zerodp_step": str(m.step)}
+    try:
+        with TensorFileWriter(tmp, specs, metadata) as writer, ShardReader(path) as reader:
+            for spec, (_, kind, target) in zip(specs, m.state_dict, strict=True):
+                t = _assemble(m, sources, reader, kind, target)
+                reader.close()  # unmap the shards: their pages must not pile up in our RSS
+                writer.write(spec.key, t.to(spec.dtype).view(spec.shape))
+                del t
+            info = writer.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ConsolidateResult(out, path, m.step, len(specs), info.size, info.sha256)
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a torch.dtype; got {dtype!r}")
+
+
+def _spec(m: Manifest, key: str, kind: str, target: str, cast: torch.dtype | None) -> TensorSpec:
+    if kind == "param":
+        rec = m.param(target)
+        assert rec is not None, target
+        shape, saved = rec.shape, dtype_from_name(rec.master_dtype)
+    else:
+        buf = next(b for b in m.buffers if b.name == target)
+        shape, saved = buf.shape, dtype_from_name(buf.dtype)
+    dtype = cast if cast is not None and saved.is_floating_point else saved
+    return TensorSpec(key, dtype, shape)
+
+
+def _assemble(
+    m: Manifest, sources: dict[str, list[Source]], reader: ShardReader, kind: str, target: str
+) -> torch.Tensor:
+    if kind == "buffer":
+        return reader.tensor(COMMON_FILE, buffer_key(target))
+    rec = m.param(target)
+    assert rec is not None
+    full = torch.empty(rec.numel, dtype=dtype_from_name(rec.master_dtype))
+    for src, inter in plan_reads(sources[target], Range(0, rec.numel)):
+        a, b = inter.start - src.range.start, inter.stop - src.range.start
+        full[inter.start : inter.stop] = reader.slice(src.file, src.key, a, b)
+    return full

@@ -1,0 +1,279 @@
+"""``save_checkpoint``: every rank writes only what it owns; rank 0 publishes atomically.
+
+Three phases, each closed by one collective in which every rank reports success or its error,
+so that a failure anywhere makes every rank raise the same ``CheckpointError`` instead of
+leaving some blocked: (1) prepare (encode, check ``extra``) and make the temporary directory;
+(2) write the rank files; (3) rank 0 writes the replicated tensors and the manifest, then
+renames the directory into place, points ``latest`` at it and prunes. No tensor data moves
+between ranks. See [Note: checkpoint format] in ``manifest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from zerodp.checkpoint import directory as fs
+from zerodp.checkpoint import rng
+from zerodp.checkpoint.common import (
+    attempt,
+    engine_of,
+    quiet_ledger,
+    raise_if_any,
+    state_dict_entries,
+)
+from zerodp.checkpoint.manifest import (
+    COMMON_FILE,
+    MANIFEST,
+    BufferRecord,
+    CheckpointError,
+    Manifest,
+    ParamRecord,
+    RankRecord,
+    SavedPiece,
+    StateEntry,
+    buffer_key,
+    check_json,
+    encode,
+    model_key,
+    param_key,
+    rank_file,
+    split_range,
+    state_key,
+)
+from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
+from zerodp.partition.layout import Range
+
+if TYPE_CHECKING:
+    from zerodp.engine import ZeroEngine
+    from zerodp.optim.pieces import OptimPiece
+
+# Test hook: the rank whose number this names exits abruptly halfway through writing its file,
+# as a killed process would (tests/dist/test_checkpoint.py). Read at save time.
+CRASH_ENV = "ZERODP_TEST_CRASH_DURING_SAVE"
+COUNTERS = ("skipped_steps",)  # engine counters besides ``steps`` that a resume continues
+
+
+@dataclass
+class _Prepared:
+    pieces: list[SavedPiece]
+    tensors: list[tuple[str, torch.Tensor]]  # what this rank's file holds, in order
+    rng_info: dict[str, Any]
+    extra: Any
+    groups: list[Any]
+    scaler: Any
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    opt: Any,
+    *,
+    extra: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save a sharded checkpoint of ``model`` and its ``ZeroOptimizer`` under the root
+    ``directory`` as ``step-<engine.steps>/``, then point ``directory/latest`` at it and, with
+    ``keep_last``, delete all but the newest ``keep_last`` step directories. Call on every rank
+    (between steps). ``extra``: JSON-serialisable data of this rank (e.g. a sampler's state),
+    returned by ``load_checkpoint``. Returns the new checkpoint's directory."""
+    engine = engine_of(model, opt)
+    comm = engine.comm
+    root = Path(directory)
+    name = fs.step_dir_name(engine.steps)
+    header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
+    with quiet_ledger(comm):
+        prep, error = attempt(lambda: _prepare(engine, extra, keep_last))
+        tmp = None
+        if comm.rank == 0 and not error:
+            tmp, error = attempt(lambda: fs.make_tmp_dir(root, name))
+        replies = comm.all_gather_object((error, str(tmp) if tmp else None))
+        _check(replies, header, tmp if comm.rank == 0 else None)
+        tmp = Path(replies[0][1])
+        assert prep is not None
+        written, error = attempt(lambda: _write_rank_file(tmp, engine, prep))
+        replies = comm.all_gather_object((error, written))
+        _check(replies, header, tmp if comm.rank == 0 else None)
+        error = ""
+        if comm.rank == 0:
+            records = [w for _, w in replies]
+            done = (root, name, tmp, model, engine, prep, records, keep_last)
+            _, error = attempt(lambda: _finish(*done))
+            if error:
+                shutil.rmtree(tmp, ignore_errors=True)
+        error = comm.broadcast_object(error)
+        if error:
+            raise CheckpointError(f"{header}\n  rank 0: {error}")
+    return root / name
+
+
+def _check(replies: list[Any], header: str, cleanup: Path | None) -> None:
+    errors = [e for e, _ in replies]
+    if any(errors) and cleanup is not None:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    raise_if_any(errors, header)
+
+
+# -- phase 1: what this rank writes -------------------------------------------------------------
+
+
+def _prepare(engine: ZeroEngine, extra: Any, keep_last: int | None) -> _Prepared:
+    problem = check_json(extra, "extra")
+    if problem:
+        raise TypeError(problem)
+    if keep_last is not None and (isinstance(keep_last, bool) or not keep_last >= 1):
+        raise ValueError(f"keep_last must be a positive integer or None; got {keep_last!r}")
+    pieces, tensors = [], []
+    for op, r in _owned(engine):
+        piece, items = _describe(engine, op, r)
+        pieces.append(piece)
+        tensors += items
+    rng_tensors, rng_info = rng.capture()
+    tensors += list(rng_tensors.items())
+    groups = [
+        encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
+        for i, g in enumerate(engine.optimizer.param_groups)
+    ]
+    scaler = getattr(engine, "scaler", None)
+    scaler_state = None if scaler is None else encode(scaler.state_dict(), "loss scaler state")
+    return _Prepared(pieces, tensors, rng_info, extra, groups, scaler_state)
+
+
+def _owned(engine: ZeroEngine) -> Iterator[tuple[OptimPiece, Range]]:
+    """(piece, the range of it this rank writes). Stage 0 holds every piece on every rank:
+    each rank writes a 1/N of each, so the writing is spread and nothing is written twice."""
+    rank, world = engine.comm.rank, engine.comm.world_size
+    for op in engine.pieces:
+        r: Range | None = op.piece.param_range
+        if engine.plan.stage == 0:
+            r = split_range(op.piece.param_range, world, rank)
+        if r is not None:
+            yield op, r
+
+
+def _describe(
+    engine: ZeroEngine, op: OptimPiece, r: Range
+) -> tuple[SavedPiece, list[tuple[str, torch.Tensor]]]:
+    base = op.piece.param_range.start
+    local = slice(r.start - base, r.stop - base)
+    items = [(param_key(op.name, r), op.tensor.detach()[local])]
+    entries: dict[str, StateEntry] = {}
+    for key, value in engine.optimizer.state.get(op.tensor, {}).items():
+        where = f"optimizer state {key!r} of '{op.name}'"
+        if isinstance(value, torch.Tensor):
+            dtype = dtype_name(value.dtype)
+            if value.shape == op.tensor.shape:
+                entries[key] = StateEntry("elem", dtype)
+                items.append((state_key(key, op.name, r), value.detach()[local]))
+            elif value.dim() == 0:
+                entries[key] = StateEntry("scalar", dtype, value.item())
+            else:
+                entries[key] = StateEntry("tensor", dtype, shape=tuple(value.shape))
+                items.append((state_key(key, op.name, r), value.detach()))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            entries[key] = StateEntry("json", value=value)
+        else:
+            raise TypeError(f"{where} is a {type(value).__name__}, which cannot be saved")
+    piece = SavedPiece(op.name, r, op.group, dtype_name(op.tensor.dtype), entries)
+    return piece, items
+
+
+# -- phase 2: the rank file ---------------------------------------------------------------------
+
+
+def _write_rank_file(tmp: Path, engine: ZeroEngine, prep: _Prepared) -> tuple[RankRecord, FileInfo]:
+    rank = engine.comm.rank
+    name = rank_file(rank)
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in prep.tensors]
+    crash = os.environ.get(CRASH_ENV) == str(rank)
+    with TensorFileWriter(tmp / name, specs) as writer:
+        for i, (key, tensor) in enumerate(prep.tensors):
+            if crash and i == len(prep.tensors) // 2:
+                writer.flush_for_test()
+                os._exit(17)
+            writer.write(key, tensor)
+        info = writer.close()
+    record = RankRecord(rank, name, tuple(prep.pieces), prep.rng_info, prep.extra)
+    return record, info
+
+
+# -- phase 3: rank 0 finishes and publishes -----------------------------------------------------
+
+
+def _finish(
+    root: Path,
+    name: str,
+    tmp: Path,
+    model: nn.Module,
+    engine: ZeroEngine,
+    prep: _Prepared,
+    written: list[tuple[RankRecord, FileInfo]],
+    keep_last: int | None,
+) -> None:
+    pieces = {pc.name: pc for rec, _ in written for pc in rec.pieces}
+    replicated = [n for n, _ in model.named_parameters() if n not in pieces]
+    files = {rec.file: info.to_json() for rec, info in written}
+    files[COMMON_FILE] = _write_common(tmp / COMMON_FILE, model, replicated).to_json()
+    manifest = Manifest(
+        step=engine.steps,
+        world_size=engine.comm.world_size,
+        stage=engine.plan.stage,
+        precision=engine.config.precision,
+        config=engine.config.to_dict(),
+        optimizer={"class": type(engine.optimizer).__name__, "param_groups": prep.groups},
+        scaler=prep.scaler,
+        params=tuple(_param_record(n, p, pieces.get(n)) for n, p in model.named_parameters()),
+        buffers=tuple(
+            BufferRecord(n, tuple(b.shape), dtype_name(b.dtype)) for n, b in model.named_buffers()
+        ),
+        state_dict=tuple(state_dict_entries(model)),
+        ranks=tuple(sorted((rec for rec, _ in written), key=lambda r: r.rank)),
+        files=files,
+        counters={c: getattr(engine, c) for c in COUNTERS if hasattr(engine, c)},
+        versions=_versions(),
+    )
+    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+    fs.publish(tmp, root / name)
+    fs.write_latest(root, name)
+    fs.remove_stale(root)
+    if keep_last is not None:
+        fs.prune(root, keep_last, name)
+
+
+def _write_common(path: Path, model: nn.Module, replicated: list[str]) -> FileInfo:
+    """Tensors every rank holds whole (frozen or never-optimized parameters, buffers): written
+    once, flattened, so that every stored tensor is read the same way (1-D slices)."""
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    items = [(model_key(n), params[n]) for n in replicated]
+    items += [(buffer_key(n), b) for n, b in model.named_buffers()]
+    specs = [TensorSpec(k, t.dtype, (t.numel(),)) for k, t in items]
+    with TensorFileWriter(path, specs) as writer:
+        for key, t in items:
+            writer.write(key, t.detach().reshape(-1))
+        return writer.close()
+
+
+def _param_record(name: str, p: nn.Parameter, piece: SavedPiece | None) -> ParamRecord:
+    dtype = dtype_name(p.dtype)
+    master = piece.dtype if piece is not None else dtype
+    return ParamRecord(name, tuple(p.shape), dtype, master, piece is not None, p.requires_grad)
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+
+    import zerodp
+
+    return {
+        "zerodp": zerodp.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+    }
