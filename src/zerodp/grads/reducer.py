@@ -100,6 +100,7 @@ class GradReducer:
                 reduce_dtype or segments[0].dtype,
                 segments[0].device,
                 staging_buffers,
+                with_scratch=False,
             )
             if needs_pool
             else None
@@ -245,7 +246,7 @@ class GradReducer:
 
             self._inflight.append(_InFlight(gb, handle, average))
             return
-        staging, _ = self._acquire(bucket.flat.numel)
+        staging = self._acquire(bucket.flat.numel)
         staging.copy_(view)
         handle = self.comm.all_reduce(staging, async_op=True)
 
@@ -264,7 +265,7 @@ class GradReducer:
         hi = bucket.owned.stop - bucket.flat.start
         staging: torch.Tensor | None = None
         if self._convert[bucket.seg]:
-            staging, _ = self._acquire(bucket.flat.numel)
+            staging = self._acquire(bucket.flat.numel)
             staging.copy_(view)
             handle = self.comm.reduce_scatter(staging[lo:hi], staging, async_op=True)
         else:
@@ -282,13 +283,17 @@ class GradReducer:
         self._inflight.append(_InFlight(gb, handle, consume_others))
 
     def _launch_staged(self, gb: int, bucket: _Bucket) -> None:
-        staging, scratch = self._acquire(bucket.flat.numel)
+        staging = self._acquire(bucket.flat.numel)
         self._fill_staging(bucket, staging)
         shard = self.shard_grads[bucket.seg]
         assert shard is not None
         target = shard.narrow(0, bucket.shard_offset, bucket.owned.numel)
         accumulate = self._has_data[gb]
-        out = scratch if (accumulate or self._convert[bucket.seg]) else target
+        # Accumulating or converting dtype: reduce in place into this rank's chunk of the
+        # staging buffer (no extra scratch), then add / cast into the owned shard.
+        chunk = bucket.owned.numel
+        own = staging.narrow(0, self.comm.rank * chunk, chunk)
+        out = own if (accumulate or self._convert[bucket.seg]) else target
         handle = self.comm.reduce_scatter(out, staging, async_op=True)
         self._has_data[gb] = True
 
@@ -323,13 +328,13 @@ class GradReducer:
             cursor = part.stop
         zero_range(staging, cursor - bucket.flat.start, bucket.flat.numel)
 
-    def _acquire(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A staging bucket and its 1/N scratch; waits for the oldest in-flight bucket when
-        all buffers are taken (they are only ever held by launched collectives)."""
+    def _acquire(self, numel: int) -> torch.Tensor:
+        """A staging bucket; waits for the oldest in-flight bucket when all buffers are taken
+        (they are only ever held by launched collectives)."""
         assert self._pool is not None
         while not self._pool.available and self._inflight:
             self._wait_oldest()
-        return self._pool.acquire(numel, self.world)
+        return self._pool.acquire(numel, self.world)[0]
 
     def _release(self, staging: torch.Tensor) -> None:
         assert self._pool is not None

@@ -9,7 +9,8 @@ from zerodp.partition.segment import Segment
 
 
 class StagingPool:
-    """A fixed number of staging buffers, each a bucket plus a 1/N scratch for accumulation."""
+    """A fixed number of staging buffers, each the size of the largest bucket (plus, when
+    ``with_scratch``, a 1/N scratch behind it)."""
 
     def __init__(
         self,
@@ -18,6 +19,7 @@ class StagingPool:
         dtype: torch.dtype,
         device: torch.device,
         count: int,
+        with_scratch: bool = True,
     ) -> None:
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
@@ -25,7 +27,8 @@ class StagingPool:
             return
         largest = max(bucket_numels)
         for _ in range(count):
-            t = torch.empty(largest + largest // world, dtype=dtype, device=device)
+            extra = largest // world if with_scratch else 0
+            t = torch.empty(largest + extra, dtype=dtype, device=device)
             self._free.append(t)
             self._all.append(t)
 
@@ -34,8 +37,10 @@ class StagingPool:
         return bool(self._free)
 
     def acquire(self, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staging view of ``numel`` elements and its scratch (empty without scratch)."""
         t = self._free.pop()
-        return t.narrow(0, 0, numel), t.narrow(0, numel, numel // world)
+        scratch = min(numel // world, t.numel() - numel)
+        return t.narrow(0, 0, numel), t.narrow(0, numel, scratch)
 
     def release(self, staging: torch.Tensor) -> None:
         for t in self._all:
