@@ -1,0 +1,16 @@
+"""``zerodp train`` behind the command line: the per-rank loop, the report, the launcher.
+
+Single machine: ``zerodp train [options]`` starts its own ranks with torch's elastic launcher.
+Under torchrun every rank runs the same entry point (``rank_main``), on one node or many; run
+this on every node (global rank 0 writes the report)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        --rdzv-id my-run -m zerodp.train --steps 1000
+
+``python -m zerodp.train`` takes the same options as ``zerodp train``; outside torchrun it
+launches local ranks exactly as ``zerodp train`` does.
+
+Modules: ``options`` (the picklable run options), ``loop`` (one rank's training), ``report``
+(report.json / report.png / terminal summary, pure functions), ``launch`` (local launching and
+failure reporting). Import them directly; this package imports nothing heavy on its own.
+"""

@@ -1,0 +1,96 @@
+"""What one ``zerodp train`` run was asked to do: a frozen, picklable record of the options.
+
+It travels from the command line to every rank (pickled by the launcher, or rebuilt from the same
+argv under ``torchrun``), so it holds only plain values, never torch objects. Also here, shared by
+the ranks and the launcher: the environment variables they read and the ``ErrorNote`` a failing
+rank leaves for the launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from zerodp.config import ZeroConfig
+
+DEFAULT_CPU_WORLD_SIZE = 2
+
+MIB = 2**20
+DEFAULT_BUCKET_BYTES = ZeroConfig().bucket_bytes
+MIN_AUTO_BUCKET_BYTES = 64 * 2**10  # below this, per-collective latency dominates
+
+FAIL_AT_ENV = "ZERODP_TRAIN_FAIL_AT"
+"""Test-only: ``"RANK:STEP"`` makes that rank raise at that step, to exercise failure reporting."""
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+"""Set by torchrun (and torch's elastic agent) for every worker it starts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainOptions:
+    """Options of one run; ``stages`` has one stage, or several for ``--compare-stages``."""
+
+    stages: tuple[int, ...] = (2,)
+    compare_stages: bool = False
+    precision: str = "fp32"
+    preset: str = "small"
+    world_size: int | None = None  # None: 2 ranks on CPU, one per GPU with CUDA
+    steps: int = 200
+    batch: int = 8
+    grad_accum: int = 1
+    clip: float = 1.0
+    lr: float = 1e-3
+    bucket_mb: float | None = None  # None: see bucket_bytes_for
+    checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: str | None = None  # a checkpoint or a checkpoint root to resume from
+    seed: int = 0
+    out: str | None = None  # None: runs/train-<timestamp>, resolved by the launcher or rank 0
+    sample_chars: int = 200
+
+    def bucket_bytes_for(self, param_bytes: int) -> int:
+        """``--bucket-mb``; by default ZeroConfig's 32 MiB, but at most 1/8 of the model's
+        ``param_bytes``. A small model then still has several buckets (reduction overlaps
+        backward), and stage 2's two staging buckets (3/8 of the model at N=2, with their 1/N
+        scratch) stay below the gradient memory it saves (1/2 of the model at N=2)."""
+        if self.bucket_mb is not None:
+            return max(1, int(self.bucket_mb * MIB))
+        return max(MIN_AUTO_BUCKET_BYTES, min(DEFAULT_BUCKET_BYTES, param_bytes // 8))
+
+    @property
+    def warmup_steps(self) -> int:
+        """Linear learning-rate warm-up: 5% of the run, at least one step."""
+        return max(1, self.steps // 20)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stages"] = list(self.stages)
+        return d
+
+
+def under_torchrun(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether this process is a worker started by torchrun / torch's elastic agent."""
+    env = os.environ if environ is None else environ
+    return all(name in env for name in TORCHRUN_ENV)
+
+
+def parse_fail_at(value: str | None) -> tuple[int, int] | None:
+    """``"1:2"`` -> (rank 1, step 2); ``None`` or ``""`` -> no injected failure."""
+    if not value:
+        return None
+    rank, sep, step = value.partition(":")
+    if not sep or not rank.strip().isdigit() or not step.strip().isdigit():
+        raise ValueError(f"{FAIL_AT_ENV} must look like RANK:STEP (e.g. 1:2); got {value!r}")
+    return int(rank), int(step)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorNote:
+    """What a failing rank tells the local launcher: its error, and when (``time.time_ns``)."""
+
+    rank: int
+    time_ns: int
+    summary: str  # "ExceptionType: message"
+    traceback: str

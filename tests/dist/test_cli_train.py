@@ -1,0 +1,162 @@
+"""`zerodp train` end to end: real ranks started by torch's launcher, on tiny settings.
+
+The command launches its own ranks, so it runs here as a subprocess (not in the harness's
+worlds): a fresh interpreter, like a user's shell, whose exit status and output are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerodp.train.options import FAIL_AT_ENV
+
+TINY = ["--preset", "tiny", "--batch", "2", "--world-size", "2", "--sample-chars", "16"]
+TIMEOUT_S = 150  # each run takes ~10 s on 2 idle cores; a loaded CI box can be much slower
+
+
+def _run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k != FAIL_AT_ENV}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def _zerodp_train(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return _run(["-m", "zerodp.cli.main", "train", *args], cwd, env)
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _report(out: Path) -> dict[str, Any]:
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def first_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """3 steps at stage 2, saving checkpoints after step 2 and 3 when checkpoints exist."""
+    root = tmp_path_factory.mktemp("train")
+    ckpt = []
+    if _have_checkpoints():
+        ckpt = ["--checkpoint-dir", str(root / "ckpt"), "--checkpoint-every", "2"]
+    proc = _zerodp_train([*TINY, "--steps", "3", "--out", str(root / "run"), *ckpt], root)
+    return root, proc
+
+
+def _have_checkpoints() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("zerodp.checkpoint") is not None
+
+
+@pytest.mark.timeout(200)
+def test_report_holds_measured_and_theoretical_figures(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    root, proc = first_run
+    _ok(proc)
+    out = root / "run"
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    report = _report(out)
+    assert report["environment"]["world_size"] == 2
+    (run,) = report["runs"]
+    assert run["stage"] == 2 and run["status"] == "ok"
+    assert len(run["curves"]["loss"]) == 3 and all(x > 0 for x in run["curves"]["loss"])
+    assert run["throughput"]["tokens_per_s"] > 0
+    assert [row["rank"] for row in run["memory"]] == [0, 1]
+    for row in run["memory"]:
+        measured, theory = row["measured"], row["theory"]
+        # Stage 2 on 2 ranks: optimizer state and gradients are halves of the full ones.
+        assert measured["optimizer_state"] == pytest.approx(theory["optimizer_state"], rel=0.02)
+        assert measured["gradients"] == pytest.approx(theory["gradients"], rel=0.02)
+        assert measured["parameters"] == pytest.approx(theory["parameters"], rel=0.02)
+        assert measured["comm_buffers"] > 0 and theory["comm_buffers"] > 0
+    comm = run["comm"]
+    assert comm["theory_elements"] == 2 * run["num_params"]
+    assert comm["theory_elements"] <= comm["measured_elements"] <= 1.01 * comm["theory_elements"]
+    assert comm["measured_bytes"] == 4 * comm["measured_elements"]
+    # The terminal summary, printed by rank 0.
+    assert "communication per step: measured" in proc.stdout
+    assert "measured / theory" in proc.stdout
+    assert f"Report: {out / 'report.json'}" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_failing_rank_stops_the_run_and_shows_its_error(tmp_path: Path) -> None:
+    proc = _zerodp_train(
+        [*TINY, "--steps", "3", "--out", str(tmp_path / "run")], tmp_path, {FAIL_AT_ENV: "1:1"}
+    )
+    assert proc.returncode != 0
+    # Rank 0's collective then fails too; rank 1's error must still come first, in full.
+    assert "rank 1 failed first: RuntimeError: injected failure on rank 1 at step 1" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert not (tmp_path / "run" / "report.json").exists()
+
+
+@pytest.mark.timeout(200)
+def test_resume_under_torchrun_continues_exactly(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """The per-rank entry under torchrun itself, resuming the first run's step-2 checkpoint:
+    step 2 must give exactly the loss the uninterrupted run had."""
+    if not _have_checkpoints():
+        pytest.skip("zerodp.checkpoint is not available")
+    root, proc = first_run
+    _ok(proc)
+    out = root / "resumed"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun += ["--log-dir", str(root / "torchrun-logs")]  # not a /tmp/torchelastic_* left over
+    args = [*TINY[:4], "--sample-chars", "0", "--steps", "3", "--out", str(out)]
+    resume = ["--resume", str(root / "ckpt" / "step-00000002")]
+    _ok(_run([*torchrun, "-m", "zerodp.train", *args, *resume], root))
+    (resumed,) = _report(out)["runs"]
+    (full,) = _report(root / "run")["runs"]
+    assert resumed["first_step"] == 2
+    assert resumed["curves"]["loss"] == full["curves"]["loss"][2:]
+
+
+@pytest.mark.timeout(200)
+def test_compare_stages_losses_coincide_while_memory_falls(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = _ok(
+        _zerodp_train([*TINY, "--steps", "2", "--compare-stages", "--out", str(out)], tmp_path)
+    )
+    report = _report(out)
+    runs = {r["stage"]: r for r in report["runs"]}
+    assert sorted(runs) == [0, 1, 2, 3]
+    done = [s for s in (0, 1, 2, 3) if runs[s]["status"] == "ok"]
+    assert done[:3] == [0, 1, 2]
+    if runs[3]["status"] != "ok":
+        assert runs[3]["note"] and "Stage 3: skipped" in proc.stdout
+    for s in done:
+        assert runs[s]["curves"]["loss"] == pytest.approx(runs[0]["curves"]["loss"], abs=1e-5)
+
+    def rank0(stage: int, key: str) -> int:
+        return runs[stage]["memory"][0]["measured"][key]
+
+    assert rank0(1, "optimizer_state") < rank0(0, "optimizer_state")
+    assert rank0(2, "gradients") < rank0(1, "gradients")
+    assert rank0(0, "model_states") > rank0(1, "model_states") > rank0(2, "model_states")
+    assert "Stages compared on the same seed and data" in proc.stdout
