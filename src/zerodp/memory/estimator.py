@@ -201,21 +201,32 @@ def activation_bytes(shape: GPTShape, *, dtype_bytes: int, checkpointing: bool =
 
 
 def comm_buffer_bytes(
-    stage: int, bucket_bytes: float, *, largest_unit_bytes: float = 0.0, prefetch_depth: int = 1
+    stage: int,
+    bucket_bytes: float,
+    *,
+    largest_unit_bytes: float = 0.0,
+    prefetch_depth: int = 1,
+    param_bytes: float = 4.0,
+    reduce_bytes: float = 4.0,
 ) -> float:
     """Per-rank bytes of zerodp's communication buffers beyond the model states.
 
-    Stages 0 and 1 all-reduce gradients in place in the gradient buffer: nothing extra. Stage 2
-    reduce-scatters through two staging buckets (one filling while the other is in flight).
-    Stage 3 adds the gathered full parameters of the unit in use and of ``prefetch_depth`` units
-    gathered ahead of it, bounded by the largest unit.
+    ``bucket_bytes`` is counted in the parameters' dtype (``param_bytes`` per element). Stages 0
+    and 1 reduce gradients in place in the gradient buffer: nothing extra, unless gradients are
+    reduced in another dtype (``reduce_bytes``, e.g. fp32 for bf16 gradients), which goes
+    through two staging buckets of that dtype. Stage 2 always reduce-scatters through two staging
+    buckets (one filling while the other is in flight). Stage 3 adds the gathered full
+    parameters of the unit in use and of ``prefetch_depth`` units gathered ahead of it, bounded
+    by the largest unit.
     """
     _check_stage(stage)
     if not bucket_bytes >= 0 or not largest_unit_bytes >= 0 or prefetch_depth < 0:
         raise ValueError("bucket_bytes, largest_unit_bytes and prefetch_depth must be >= 0")
+    if not param_bytes > 0 or not reduce_bytes > 0:
+        raise ValueError("param_bytes and reduce_bytes must be > 0")
+    staging = 2.0 * bucket_bytes * reduce_bytes / param_bytes
     if stage <= 1:
-        return 0.0
-    staging = 2.0 * bucket_bytes
+        return staging if reduce_bytes != param_bytes else 0.0
     if stage == 2:
         return staging
     return staging + (prefetch_depth + 1) * float(largest_unit_bytes)

@@ -108,13 +108,15 @@ def memory_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, float] 
     if states is None:
         return None
     # A bucket holds bucket_bytes of parameters but never more than the model (else the
-    # estimator's 2 x bucket_bytes would be the configured 32 MiB for a model of a few MB), and
-    # its staging copy is in the reduce dtype.
+    # estimator's 2 x bucket_bytes would be the configured 32 MiB for a model of a few MB); its
+    # staging copy is in the reduce dtype.
     bucket_numel = min(run.bucket_bytes // run.element_size, measured["padded_numel"])
     buffers = comm_buffer_bytes(
         run.stage,
-        bucket_numel * run.reduce_element_size,
+        bucket_numel * run.element_size,
         largest_unit_bytes=run.largest_unit_bytes,
+        param_bytes=run.element_size,
+        reduce_bytes=run.reduce_element_size,
     )
     theory = {name: float(states[name]) for name in MEMORY_CATEGORIES[:3]}
     theory["comm_buffers"] = buffers
@@ -315,10 +317,10 @@ def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
             f"{format_mb(row['measured'][n])} / {format_mb(theory.get(n))}".rjust(18) for n in names
         ]
         lines.append(f"  {row['rank']:>4}" + "".join(cells))
-    lines += [
-        "  comm buffers in theory: the estimator's two staging buckets (stage 2 and up); the",
-        "  reducer's also hold a 1/N scratch each, and with bf16/fp16 every stage has them",
-    ]
+    lines.append(
+        "  comm buffers: two staging buckets in the reduce dtype (stage 2, and every stage when"
+        " gradients are reduced in another dtype than they are stored in)"
+    )
     return lines
 
 
