@@ -25,6 +25,7 @@ from torch import nn
 from zerotest import MLP, batches, build, rank_world
 
 import zerodp
+from zerodp.optim.pieces import select_fused
 
 TIMEOUT = 120.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +44,7 @@ class Emulation:
         self.compute = copy.deepcopy(model).to(DTYPES[precision])
         self.compute.register_forward_pre_hook(_cast_inputs(DTYPES[precision]))
         self.opt = _opt(self.master.parameters())
+        select_fused(self.opt)  # the same kernel choice zerodp makes (bitwise comparisons)
         self.dtype = DTYPES[precision]
         self.stage, self.world, self.scale = stage, world, scale
 
