@@ -16,7 +16,7 @@ def _specs(shapes=SHAPES):
 
 
 @pytest.mark.parametrize(
-    ("world", "bucket", "align"), itertools.product([1, 2, 3, 4], [1, 8, 24, 1000], [1, 4])
+    ("world", "bucket", "align"), list(itertools.product([1, 2, 3, 4], [1, 8, 24, 1000], [1, 4]))
 )
 def test_pieces_partition_every_parameter(world, bucket, align):
     lay = build_layout(_specs(), world, bucket, align)
