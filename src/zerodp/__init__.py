@@ -17,6 +17,7 @@ from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
 from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.optimizer import ZeroOptimizer
+from zerodp.params import full_parameters, sharded_init
 
 __all__ = [
     "CheckpointError",
@@ -27,9 +28,11 @@ __all__ = [
     "ZeroModule",
     "ZeroOptimizer",
     "consolidate_checkpoint",
+    "full_parameters",
     "initialize",
     "load_checkpoint",
     "load_model_state_dict",
     "save_checkpoint",
+    "sharded_init",
 ]
 __version__ = "0.1.0"

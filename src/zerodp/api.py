@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
 from zerodp.module import attach
 from zerodp.optim.optimizer import ZeroOptimizer
+from zerodp.params.manager import Stage3Options
+from zerodp.params.policy import UnitPolicy
 
 
 def initialize(
@@ -18,6 +21,10 @@ def initialize(
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig | None = None,
     process_group: Any = None,
+    *,
+    unit_policy: UnitPolicy | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``optimizer`` (and, by stage, gradients) of ``model`` across ``process_group``.
 
@@ -29,6 +36,12 @@ def initialize(
 
     ``process_group`` is the data-parallel group (default: the whole world), e.g. one
     dimension of a larger device mesh.
+
+    Stage 3 only: ``unit_policy(name, module) -> bool`` chooses the modules whose parameters are
+    gathered together (default: ``ZeroConfig.unit_classes`` / the container-element policy,
+    see ``zerodp/params/policy.py``). A model built under ``zerodp.sharded_init()`` (on the
+    meta device) is materialised here unit by unit on ``device`` (default: cpu), initialised by
+    ``init_fn(unit_module)`` (default: its ``init_weights()`` or ``reset_parameters()``).
     """
     if config is None:
         config = ZeroConfig()
@@ -41,6 +54,9 @@ def initialize(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer)}")
     if isinstance(optimizer, ZeroOptimizer) or getattr(model, "_zero_engine", None) is not None:
         raise ValueError("this model or optimizer is already managed by zerodp.initialize")
-    engine = ZeroEngine(model, optimizer, config, process_group)
+    if config.stage != 3 and (unit_policy is not None or init_fn is not None or device is not None):
+        raise ValueError("unit_policy, init_fn and device apply to ZeroConfig(stage=3) only")
+    stage3 = Stage3Options(unit_policy, init_fn, torch.device(device) if device else None)
+    engine = ZeroEngine(model, optimizer, config, process_group, stage3)
     attach(model, engine)
     return model, ZeroOptimizer(engine)

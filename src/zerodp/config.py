@@ -69,6 +69,36 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     """fp16 dynamic loss scaling: reaching a lower scale than this raises an error."""
 
+    # -- stage 3 (parameter partitioning; see zerodp/params) --------------------------------------
+
+    unit_classes: tuple[str, ...] = ()
+    """Stage 3: class names of the modules whose parameters are gathered together (*units*),
+    e.g. ``("Block",)``. Empty: every element of an ``nn.ModuleList`` / ``nn.Sequential`` /
+    ``nn.ModuleDict`` with at least ``unit_min_numel`` parameter elements (the repeated layers);
+    everything else is in the root unit. ``zerodp.initialize(unit_policy=...)`` overrides both."""
+
+    unit_min_numel: int = 2**14
+    """Stage 3, default unit policy: a container element with fewer parameter elements than this
+    stays in its parent's unit (tiny units cost a collective each for little memory)."""
+
+    prefetch_depth: int = 1
+    """Stage 3: how many units ahead to all-gather while a unit computes (forward and backward).
+    Gathered parameters are bounded by (prefetch_depth + 1) x the largest unit, plus the units
+    enclosing the running one. 0: gather on demand only."""
+
+    persist_numel: int = 0
+    """Stage 3: trainable parameters with at most this many elements stay replicated
+    (*persistent*): never released, so readable anywhere. [Note: persistent parameters] Their
+    gradients are reduce-scattered at the end of backward and their optimizer state is sharded,
+    and the updated slices are all-gathered after the step, as in stage 2: the same 2x volume as
+    stage 0's all-reduce. Trainable parameters that no optimizer group holds are persistent too.
+    The memory report counts them (``persistent_parameters``)."""
+
+    check_unit_order: bool = True
+    """Stage 3: before each parameter collective, check (one tiny all-gather) that every rank is
+    about to do the same, so that ranks running different units raise a clear error instead of
+    hanging. Costs a small blocking collective, about 3 per unit per step."""
+
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, STAGES)
         _check_positive_int("bucket_bytes", self.bucket_bytes)
@@ -92,6 +122,19 @@ class ZeroConfig:
         _check_positive_int("growth_interval", self.growth_interval)
         _check_positive_int("hysteresis", self.hysteresis)
         _check_positive_float("min_loss_scale", self.min_loss_scale)
+        if isinstance(self.unit_classes, list):  # from JSON
+            object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        if not isinstance(self.unit_classes, tuple) or not all(
+            isinstance(c, str) and c for c in self.unit_classes
+        ):
+            raise ValueError(
+                "ZeroConfig.unit_classes must be a tuple of module class names; "
+                f"got {self.unit_classes!r}"
+            )
+        _check_non_negative_int("unit_min_numel", self.unit_min_numel)
+        _check_non_negative_int("prefetch_depth", self.prefetch_depth)
+        _check_non_negative_int("persist_numel", self.persist_numel)
+        _check_bool("check_unit_order", self.check_unit_order)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -126,6 +169,11 @@ def _check_choice(name: str, value: object, allowed: tuple[object, ...]) -> None
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"ZeroConfig.{name} must be a positive integer; got {value!r}")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ZeroConfig.{name} must be a non-negative integer; got {value!r}")
 
 
 def _check_positive_float(name: str, value: object) -> None:

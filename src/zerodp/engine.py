@@ -32,6 +32,8 @@ from zerodp.optim.pieces import (
     make_pieces,
     rebind_optimizer,
 )
+from zerodp.params.manager import ShardedParams, Stage3Options
+from zerodp.params.reduce import ShardedGrads
 from zerodp.partition.layout import ParamSpec, build_layout
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
@@ -48,7 +50,8 @@ class ZeroEngine:
     comm: Communicator
     segments: list[Segment]
     frozen: list[tuple[str, nn.Parameter]]
-    reducer: GradReducer
+    params: ShardedParams | None  # stage 3: units and their lifecycle (zerodp.params)
+    reducer: GradReducer | ShardedGrads
     pieces: list[OptimPiece]
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
     masters: Masters
@@ -63,6 +66,7 @@ class ZeroEngine:
         optimizer: torch.optim.Optimizer,
         config: ZeroConfig,
         process_group: Any = None,
+        stage3: Stage3Options | None = None,
     ) -> None:
         self.config = config
         self.plan = resolve(config)
@@ -71,11 +75,27 @@ class ZeroEngine:
         named = _unique_named_parameters(model)
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.frozen = [(n, p) for n, p in named if not p.requires_grad]
-        error = check_devices(named, self.comm) or check_optimizer(optimizer, (p for _, p in named))
+        error = check_devices(named, self.comm, allow_meta=self.plan.shard_params)
+        error = error or check_optimizer(optimizer, (p for _, p in named))
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
         self._fp32_ids = _batchnorm_param_ids(model) if self.plan.mixed else set()
-        self.segments = self._build_segments(trainable)
+        self.params = None
+        if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
+            optimized = set(group_of_params(optimizer))
+            self.params = ShardedParams(
+                model,
+                trainable,
+                optimized,
+                self.plan,
+                config,
+                self.comm,
+                self._fp32_ids,
+                stage3 or Stage3Options(),
+            )
+            self.segments = self.params.segments
+        else:
+            self.segments = self._build_segments(trainable)
         self._broadcast_from_rank0()
         plan = self.plan
         self.masters = Masters(
@@ -84,13 +104,12 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         if plan.mixed:
             self._cast_to_compute_dtype()
-        self.reducer = GradReducer(
-            self.segments,
-            self.comm,
-            plan.reduce_mode,
-            reduce_dtype=plan.reduce_dtype if plan.mixed else None,
-        )
-        self.reducer.register_hooks()
+        reduce_dtype = plan.reduce_dtype if plan.mixed else None
+        if self.params is not None:  # [stage 3] per-unit reduce-scatters, run by its hooks
+            self.reducer = self.params.start(self.masters, reduce_dtype)
+        else:
+            self.reducer = GradReducer(self.segments, self.comm, plan.reduce_mode, reduce_dtype)
+            self.reducer.register_hooks()
         self.pieces = self._build_pieces(optimizer)
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.optimizer = optimizer
@@ -135,8 +154,9 @@ class ZeroEngine:
         if self.comm.world_size == 1:
             return
         with torch.no_grad():
-            for seg in self.segments:
-                self.comm.broadcast(seg.param_buffer)
+            if self.params is None:  # [stage 3] units were broadcast while being built
+                for seg in self.segments:
+                    self.comm.broadcast(seg.param_buffer)
             for _, p in self.frozen:
                 self.comm.broadcast(p.data)
             for b in self.model.buffers():
@@ -304,6 +324,8 @@ class ZeroEngine:
         """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
         all-gather the owned slices (stages 1-2). Also what a checkpoint load calls after writing
         the owned masters."""
+        if self.params is not None:  # [stage 3] gathered copies are stale now: release them
+            self.params.reset()
         self.masters.publish(self.comm, gather=self.plan.gather_params)
 
     def zero_grad(self) -> None:
@@ -335,6 +357,8 @@ class ZeroEngine:
 
     def remove(self) -> None:
         self.reducer.remove_hooks()
+        if self.params is not None:
+            self.params.remove()
         for h in self._hooks:
             h.remove()
 

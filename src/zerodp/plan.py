@@ -18,7 +18,8 @@ class Plan:
     stage: int
     reduce_mode: ReduceMode
     shard_optimizer: bool  # optimizer state (and masters) only for the owned slice
-    gather_params: bool  # all-gather the updated slices after each step (stages 1-2)
+    gather_params: bool  # all-gather the updated slices after each step (stages 1-3)
+    shard_params: bool  # parameters sharded at rest, gathered per unit (stage 3)
     bucket_bytes: int
     compute_dtype: torch.dtype  # dtype of the model's parameters and gradients
     reduce_dtype: torch.dtype  # dtype gradients are summed in across ranks
@@ -39,17 +40,15 @@ def resolve(config: ZeroConfig) -> Plan:
         0: ReduceMode.ALL_REDUCE,
         1: ReduceMode.SCATTER_IN_PLACE,
         2: ReduceMode.SCATTER_STAGED,
+        3: ReduceMode.SCATTER_STAGED,  # per unit, by zerodp.params (see params/reduce.py)
     }
-    if config.stage not in modes:
-        raise NotImplementedError(
-            "ZeroConfig.stage=3 (parameter partitioning) is not implemented in this version; "
-            "use stage 0, 1 or 2"
-        )
     return Plan(
         stage=config.stage,
         reduce_mode=modes[config.stage],
         shard_optimizer=config.stage >= 1,
-        gather_params=config.stage in (1, 2),
+        # Stage 3 gathers units on demand; only its persistent parameters are gathered here.
+        gather_params=config.stage >= 1,
+        shard_params=config.stage == 3,
         bucket_bytes=config.bucket_bytes,
         compute_dtype=DTYPES[config.precision],
         reduce_dtype=DTYPES[config.reduce_dtype],

@@ -30,9 +30,14 @@ def fingerprint(
     }
 
 
-def check_devices(named: list[tuple[str, nn.Parameter]], comm: Communicator) -> str:
+def check_devices(
+    named: list[tuple[str, nn.Parameter]], comm: Communicator, allow_meta: bool = False
+) -> str:
+    """``allow_meta``: stage 3 materialises a meta-device model itself, unit by unit."""
     supported = comm.supported_device_types()
     for name, p in named:
+        if p.device.type == "meta" and allow_meta:
+            continue
         if p.device.type == "meta":
             return (
                 f"parameter '{name}' is on the meta device (not materialised): call "

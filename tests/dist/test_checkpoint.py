@@ -76,8 +76,13 @@ def make_optimizer(model: Net) -> torch.optim.Optimizer:
 def build(stage: int, seed: int, precision: str = "fp32", **net: Any) -> tuple[nn.Module, Any]:
     torch.manual_seed(seed)
     model = Net(**net)
-    # Many buckets, so pieces cut parameters.
-    config = zerodp.ZeroConfig(stage=stage, bucket_bytes=256, precision=precision)
+    # Many buckets, so pieces cut parameters. Stage 3: every layer is a unit; the tied
+    # embedding / head weight then lives in the root unit, `gate` (never optimized) stays
+    # persistent and `frozen` replicated.
+    units = ("Linear", "Embedding", "LayerNorm") if stage == 3 else ()
+    config = zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=256, precision=precision, unit_classes=units
+    )
     return zerodp.initialize(model, make_optimizer(model), config)
 
 
@@ -120,9 +125,10 @@ def snapshot(model: nn.Module, opt: Any) -> dict[str, Any]:
         state[key] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
     params = {id(p) for p in model.parameters()}
     # Buffers are replicated with rank 0's authoritative (broadcast before each forward): other
-    # ranks' local copies are not saved.
-    mine = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
-    sd = model.state_dict() if dist.get_rank() == 0 else mine
+    # ranks' local copies are not saved. state_dict() on every rank: stage 3 gathers.
+    mine = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
+    full = model.state_dict()
+    sd = full if dist.get_rank() == 0 else {k: v for k, v in full.items() if k in mine}
     return {
         "model": {k: v.detach().clone() for k, v in sd.items()},
         "state": state,
@@ -157,10 +163,19 @@ def release(*models: nn.Module) -> None:
         m.zero_engine.remove()
 
 
-# --- round trip and exact resume, stages 0-2, one world ----------------------------------------
+# --- round trip and exact resume, stages 0-3, one world ----------------------------------------
 
 
-ROUND_TRIPS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "fp16"), (0, "bf16")]
+ROUND_TRIPS = [
+    (0, "fp32"),
+    (1, "fp32"),
+    (2, "fp32"),
+    (3, "fp32"),
+    (1, "bf16"),
+    (2, "fp16"),
+    (0, "bf16"),
+    (3, "bf16"),
+]
 
 
 def _round_trip_and_resume(root: str) -> None:
@@ -201,7 +216,7 @@ def _round_trip_and_resume(root: str) -> None:
         release(fresh, other)
 
 
-def test_round_trip_and_exact_resume_stages_0_1_2(world: World, tmp_path: Path) -> None:
+def test_round_trip_and_exact_resume_stages_0_to_3(world: World, tmp_path: Path) -> None:
     world(2).run(_round_trip_and_resume, str(tmp_path), timeout=60)
     for stage, precision in ROUND_TRIPS:
         root = tmp_path / f"s{stage}{precision}"
@@ -289,7 +304,8 @@ def _load_and_train(root: str, stage: int) -> dict[str, Any]:
     out["refused"] = str(info.value)
     load_checkpoint(root, model, opt)
     train(model, opt, K, 2 * K, rank, world)
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with zerodp.full_parameters(model, writeback=False):  # stage 3: gather to read
+        out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
@@ -310,7 +326,9 @@ def assert_close_to_reference(params: dict[str, torch.Tensor]) -> None:
         assert rel <= 1e-6, f"{name}: relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize(("before", "after"), [((4, 2), (2, 1)), ((2, 1), (3, 2))])
+@pytest.mark.parametrize(
+    ("before", "after"), [((4, 2), (2, 1)), ((2, 1), (3, 2)), ((2, 3), (3, 1)), ((4, 1), (3, 3))]
+)
 def test_reshard_matches_unsharded_reference(
     world: World, tmp_path: Path, before: tuple[int, int], after: tuple[int, int]
 ) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zerotest import MLP, batches, build, rank_world
+from zerotest import MLP, batches, build, full, rank_world
 
 import zerodp
 from zerodp.optim.pieces import select_fused
@@ -87,6 +87,8 @@ def _mse(data):
 
 
 def _cfg(stage: int, precision: str, **kw) -> zerodp.ZeroConfig:
+    if stage == 3:  # each Linear its own unit (the default policy makes MLP one root unit)
+        kw.setdefault("unit_classes", ("Linear",))
     return zerodp.ZeroConfig(stage=stage, precision=precision, bucket_bytes=64, **kw)
 
 
@@ -116,11 +118,13 @@ def case_emulation(stage: int, precision: str) -> float:
         opt.zero_grad()
         assert opt.last_step is not None and not opt.last_step.skipped, "unexpected skip"
         worst = max(worst, _masters_match(opt, emu))
-        for (name, p), q in zip(model.named_parameters(), emu.master.parameters(), strict=True):
-            assert p.dtype == DTYPES[precision], f"{name} is {p.dtype}"
-            want = q.detach().to(p.dtype)
-            if world <= 2:
-                assert torch.equal(p, want), f"step {step} {name}: compute copy not bitwise"
+        with full(model):
+            pairs = zip(model.named_parameters(), emu.master.parameters(), strict=True)
+            for (name, p), q in pairs:
+                assert p.dtype == DTYPES[precision], f"{name} is {p.dtype}"
+                want = q.detach().to(p.dtype)
+                if world <= 2:
+                    assert torch.equal(p, want), f"step {step} {name}: compute copy not bitwise"
         if world <= 2:
             assert worst == 0.0, f"step {step}: masters differ by {worst:.3e}"
         assert worst <= 1e-3, f"step {step}: masters differ by {worst:.3e}"
@@ -129,7 +133,7 @@ def case_emulation(stage: int, precision: str) -> float:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_matches_protocol_emulation(world, world_size, precision, stage):
     world(world_size).run(case_emulation, stage, precision, timeout=TIMEOUT)
 
@@ -145,7 +149,8 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
     seen = []
     for step in range(9):
         data = batches(step, world, 2, [(7,), (5,)])
-        before = [p.detach().clone() for p in model.parameters()]
+        with full(model):
+            before = [p.detach().clone() for p in model.parameters()]
         state_before = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state.items()}
         loss = _mse(data)(model, rank)
         if rank in poison.get(step, ()):
@@ -159,8 +164,9 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
         assert info is not None and info.skipped == (not stepped), f"step {step}: {info}"
         if info.skipped:
             assert info.reason == "non-finite gradients", info
-            for p, q in zip(model.parameters(), before, strict=True):
-                assert torch.equal(p, q), f"step {step}: parameters changed on a skipped step"
+            with full(model):
+                for p, q in zip(model.parameters(), before, strict=True):
+                    assert torch.equal(p, q), f"step {step}: parameters changed on a skipped step"
             for k, v in opt.state.items():
                 for n, t in v.items():
                     assert torch.equal(t, state_before[k][n]), f"step {step}: state {n} changed"
@@ -170,7 +176,7 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
     return seen
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_loss_scale_sequence(world, stage):
     out = world(2).run(case_loss_scale_sequence, stage, timeout=TIMEOUT)
     assert out[0] == out[1], "ranks disagree on the loss-scale sequence"
@@ -216,18 +222,21 @@ def case_bf16_skip(stage: int) -> dict:
     model = build(MLP)
     model, opt = zerodp.initialize(model, _opt(model.parameters()), _cfg(stage, "bf16"))
     x, y = batches(0, world, 2, [(7,), (5,)])[rank]
-    before = [p.detach().clone() for p in model.parameters()]
+    with full(model):
+        before = [p.detach().clone() for p in model.parameters()]
     loss = F.mse_loss(model(x).float(), y) * (float("nan") if rank == world - 1 else 1.0)
     loss.backward()  # bf16 needs no opt.backward
     opt.step()
     opt.zero_grad()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with full(model):
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert same, "parameters changed on a skipped step"
     info = opt.last_step
     assert info is not None
     return {"skipped": info.skipped, "scale": info.loss_scale, "count": opt.skipped_steps}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_non_finite_step_is_skipped_everywhere(world, stage):
     out = world(3).run(case_bf16_skip, stage, timeout=TIMEOUT)
     assert out == [{"skipped": True, "scale": None, "count": 1}] * 3
@@ -271,7 +280,7 @@ def case_clip_true_norm(stage: int) -> float:
     return norm
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clipping_sees_unscaled_fp32_gradients(world, stage):
     world(2).run(case_clip_true_norm, stage, timeout=TIMEOUT)
 

@@ -18,6 +18,7 @@ from zerotest import (
     adamw_two_groups,
     assert_close,
     batches,
+    full,
     make_pair,
     rank_world,
     reference_step,
@@ -26,15 +27,20 @@ from zerotest import (
 
 import zerodp
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 WORLDS = [1, 2, 3, 4]
 STEPS = 4
 TIMEOUT = 90.0
 OPTIMIZERS = {"sgd": sgd_momentum, "adamw": adamw_two_groups}
+UNITS = ("Linear", "Embedding")
 
 
-def _cfg(stage: int, bucket_bytes: int = 96) -> zerodp.ZeroConfig:
+def _cfg(stage: int, bucket_bytes: int = 96, units: tuple[str, ...] = UNITS) -> zerodp.ZeroConfig:
     # A tiny bucket (24 fp32 elements) forces many buckets and parameters cut across them.
+    # Stage 3: every Linear / Embedding is a unit (the default policy would make these small
+    # models one root unit), so parameters are gathered and reduced per layer.
+    if stage == 3:
+        return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket_bytes, unit_classes=units)
     return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket_bytes)
 
 
@@ -103,8 +109,11 @@ def case_unused(stage: int) -> float:
     """``never`` gets no gradient anywhere (so AdamW must not decay it); ``sometimes`` only on
     rank 0 (so it is updated with rank 0's gradient averaged over all ranks)."""
     rank, world = rank_world()
-    pair = make_pair(Branchy, adamw_two_groups, _cfg(stage))
-    before = pair.model.never.weight.detach().clone()
+    # Stage 3: one root unit, so that `sometimes` is a parameter unused on some ranks inside a
+    # unit that runs everywhere (a *unit* that runs on some ranks only: test_stage3.py).
+    pair = make_pair(Branchy, adamw_two_groups, _cfg(stage, units=("Branchy",)))
+    with full(pair.model):
+        before = pair.model.never.weight.detach().clone()
     worst = 0.0
     for step in range(STEPS):
         data = batches(step, world, 2, [(4,), (4,)])
@@ -118,7 +127,8 @@ def case_unused(stage: int) -> float:
         pair.opt.step()
         pair.opt.zero_grad()
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"unused step {step}"))
-    assert torch.equal(pair.model.never.weight, before), "an unused parameter was updated"
+    with full(pair.model):
+        assert torch.equal(pair.model.never.weight, before), "an unused parameter was updated"
     for op in pair.opt.engine.pieces:
         if op.name.startswith("never"):
             assert not pair.opt.state.get(op.tensor), f"optimizer state created for {op.name}"

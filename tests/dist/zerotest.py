@@ -8,6 +8,7 @@ the global batch, so each rank can compare its zerodp model to it without commun
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,13 +126,22 @@ def reference_step(
     return total
 
 
+def full(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Read access to a model's full parameters: stage 3 gathers them (a collective: call on
+    every rank); any other model is left as it is."""
+    if isinstance(model, zerodp.ZeroModule):
+        return zerodp.full_parameters(model, writeback=False)
+    return contextlib.nullcontext()
+
+
 def max_rel_error(a: nn.Module, b: nn.Module) -> float:
     """Max over parameters of ||a - b|| / ||b|| (absolute where b is zero)."""
     worst = 0.0
-    for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        diff = (p.detach() - q.detach()).norm().item()
-        scale = q.detach().norm().item()
-        worst = max(worst, diff / scale if scale > 0 else diff)
+    with full(a), full(b):
+        for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            diff = (p.detach() - q.detach()).norm().item()
+            scale = q.detach().norm().item()
+            worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
 
 

@@ -45,6 +45,7 @@ from zerodp.checkpoint.manifest import (
     state_key,
 )
 from zerodp.checkpoint.tensorfile import ShardReader, dtype_from_name
+from zerodp.params.access import ShardedParameter
 from zerodp.partition.layout import Range
 
 if TYPE_CHECKING:
@@ -305,7 +306,8 @@ def load_model_state_dict(
         assert found is not None
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(found[name].view(p.shape))
+                if not isinstance(p, ShardedParameter):  # stage 3: shards are written below
+                    p.copy_(found[name].view(p.shape))
             for op in engine.pieces:  # the masters (the same storage in fp32 training)
                 r = op.piece.param_range
                 op.tensor.copy_(found[op.name].reshape(-1)[r.start : r.stop])

@@ -44,6 +44,12 @@ class MemoryReport:
     step_transient: int  # fp32 owned gradient alive only from end of backward to end of step
     precision: str
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
+    # Stage 3 (0 otherwise). ``parameters`` is then this rank's shards plus the persistent ones.
+    persistent_parameters: int = 0  # replicated small parameters (ZeroConfig.persist_numel)
+    gathered_now: int = 0  # bytes of gathered (unsharded) unit parameters alive now
+    gathered_peak: int = 0  # their peak since initialize (or engine.params.gatherer.reset_peak())
+    gathered_bound: int = 0  # what the schedule guarantees gathered_peak stays below
+    largest_unit: int = 0  # bytes of the largest unit, gathered
 
     @property
     def model_states(self) -> int:
@@ -60,13 +66,27 @@ def measure(engine: ZeroEngine) -> MemoryReport:
     num = engine.num_trainable
     seg_dtype = engine.segments[0].dtype if engine.segments else torch.float32
     elsize = torch.empty((), dtype=seg_dtype).element_size()
+    sharded = engine.params  # stage 3
+    stage3 = {}
+    if sharded is not None:
+        stage3 = {
+            "persistent_parameters": sharded.persistent_bytes(),
+            "gathered_now": sharded.gatherer.gathered_bytes,
+            "gathered_peak": sharded.gatherer.peak_bytes,
+            "gathered_bound": sharded.gathered_bound(),
+            "largest_unit": sharded.largest_unit_bytes(),
+        }
     return MemoryReport(
         rank=engine.comm.rank,
         world_size=engine.comm.world_size,
         stage=engine.plan.stage,
         num_params=num,
         padded_numel=sum(s.layout.padded_numel for s in engine.segments),
-        parameters=sum(_nbytes(s.param_buffer) for s in engine.segments),
+        parameters=(
+            sharded.param_bytes()
+            if sharded is not None
+            else sum(_nbytes(s.param_buffer) for s in engine.segments)
+        ),
         gradients=engine.reducer.gradient_bytes(),
         optimizer_state=state_bytes + engine.masters.nbytes,
         master_parameters=engine.masters.nbytes,
@@ -76,6 +96,7 @@ def measure(engine: ZeroEngine) -> MemoryReport:
         step_transient=engine.masters.transient_bytes(),
         precision=engine.config.precision,
         theory=_theory(engine, num, elsize),
+        **stage3,
     )
 
 

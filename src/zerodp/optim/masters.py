@@ -12,15 +12,27 @@ the optimizer steps the fp32 masters, and ``publish`` casts the updated masters 
 compute-dtype buffer before the all-gather. At rest a rank holds exactly the paper's model states
 (2Ψ params + 2Ψ or 2Ψ/N grads + 12Ψ or 12Ψ/N for masters, momentum, variance); the fp32 owned
 gradient exists only between the end of backward and the end of ``step``.
+
+Stage 3 (``ShardedSegment``, [Note: sharded storage]): the owned shard is all a rank holds at
+rest. fp32: the masters *are* the shards. Mixed: the masters are fp32 copies of the shards, and
+``publish`` casts them into the shards; units are gathered when next used, not here.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from zerodp.comm import Communicator
-from zerodp.grads.reducer import GradReducer
+from zerodp.params.segment import ShardedSegment
 from zerodp.partition.segment import Segment, flat_view
+
+
+class ReducedGrads(Protocol):
+    """What the masters need of a reducer (``GradReducer``, or ``ShardedGrads`` in stage 3)."""
+
+    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]: ...
 
 
 class Masters:
@@ -33,7 +45,11 @@ class Masters:
         self.rank = rank
         self.buffers: list[torch.Tensor] = []
         for seg in segments:
-            if not separate:
+            if isinstance(seg, ShardedSegment):  # stage 3
+                self.buffers.append(
+                    seg.shard.to(torch.float32, copy=True) if separate else seg.shard
+                )
+            elif not separate:
                 self.buffers.append(seg.param_buffer)
             elif sharded:
                 self.buffers.append(self._gather_owned(seg, seg.param_buffer).float())
@@ -51,11 +67,11 @@ class Masters:
         return torch.cat(parts)
 
     def storage(self, i: int) -> tuple[torch.Tensor, bool]:
-        return self.buffers[i], self.sharded
+        return self.buffers[i], self.sharded or isinstance(self.segments[i], ShardedSegment)
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def fp32_grads(self, reducer: GradReducer, scale: float) -> list[torch.Tensor]:
+    def fp32_grads(self, reducer: ReducedGrads, scale: float) -> list[torch.Tensor]:
         """Materialise the owned fp32 gradient of every segment, multiplied by ``scale``
         (1/loss_scale). Kept until ``drop_grads``."""
         out = []
@@ -89,7 +105,9 @@ class Masters:
         with torch.no_grad():
             if self.separate:
                 for seg, master in zip(self.segments, self.buffers, strict=True):
-                    if self.sharded:
+                    if isinstance(seg, ShardedSegment):
+                        seg.shard.copy_(master)
+                    elif self.sharded:
                         self._scatter_owned(seg, master, seg.param_buffer)
                     else:
                         seg.param_buffer.copy_(master)
@@ -106,6 +124,8 @@ class Masters:
     def _all_gather(self, comm: Communicator) -> None:
         handles = []
         for seg in self.segments:
+            if isinstance(seg, ShardedSegment):
+                continue
             lay = seg.layout
             for b, bucket in enumerate(lay.buckets):
                 full = flat_view(seg.param_buffer, bucket)

@@ -1,0 +1,125 @@
+"""Refusing to read a stage-3 parameter whose unit is released.
+
+At rest a sharded parameter's ``.data`` is a placeholder ([Note: sharded storage]). Without a
+guard, code that reads a parameter outside its unit's forward (``model.head.weight`` in a loss,
+when ``head`` is its own unit) would compute on NaN or crash far from the cause. Each unit
+parameter's class is therefore switched to a subclass of ``ShardedParameter`` whose
+``__torch_function__`` raises a ``RuntimeError`` naming the parameter and its unit when any torch
+function is applied to it while released. Metadata (shape, dtype, ``.grad``, ``.data``,
+``requires_grad``, hooks, ``detach``) stays accessible. The cost is one Python call per torch
+function that takes a parameter (a few microseconds), which is why only stage-3 parameters get
+it. The subclass is made per engine so that it can reach that engine's unit states without a
+global (``UnitLookup``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+# Torch functions that do not read parameter values.
+_METADATA = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "__hash__",
+        "size",
+        "numel",
+        "nelement",
+        "dim",
+        "ndimension",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "get_device",
+        "data_ptr",
+        "untyped_storage",
+        "detach",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+    }
+)
+
+
+class UnitLookup(Protocol):
+    def released(self, param: torch.Tensor) -> tuple[str, str] | None:
+        """(parameter name, unit label) if ``param`` is released now, else None."""
+
+
+class ShardedParameter(nn.Parameter):
+    """An ``nn.Parameter`` sharded by zerodp stage 3. It is the full parameter while its unit is
+    gathered; reading it at any other time raises (see the module docstring)."""
+
+    _lookup: ClassVar[UnitLookup]
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            for value in (*args, *kwargs.values()):
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, ShardedParameter):
+                        _refuse_if_released(type(t)._lookup, t, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    # Copying or pickling reads ``.data`` (allowed, for state_dict) without a torch function:
+    # refuse them here, or a copy would silently hold the placeholder.
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        _refuse_if_released(type(self)._lookup, self, "copy.deepcopy")
+        return super().__deepcopy__(memo)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        _refuse_if_released(type(self)._lookup, self, "pickling")
+        return super().__reduce_ex__(proto)
+
+    # nn.Parameter and torch.Tensor declare incompatible __repr__ signatures; match Parameter's.
+    def __repr__(self) -> str:  # type: ignore[override]
+        where = type(self)._lookup.released(self)
+        if where is not None:
+            name, unit = where
+            return (
+                f"ShardedParameter('{name}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"released: unit '{unit}' is not gathered)"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return str(super().__repr__())
+
+
+def _refuse_if_released(
+    lookup: UnitLookup, param: torch.Tensor, func: Callable[..., Any] | str
+) -> None:
+    where = lookup.released(param)
+    if where is None:
+        return
+    name, unit = where
+    what = func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+    raise RuntimeError(
+        f"zerodp stage 3: parameter '{name}' was read ({what}) while its unit '{unit}' is "
+        "released (each rank holds only a shard). Read parameters only inside the forward of "
+        "their unit's module, in the loss only if they belong to the root unit, or inside "
+        "`with zerodp.full_parameters(model):`; to keep a parameter available, make it part "
+        "of an enclosing unit (ZeroConfig.unit_classes / unit_policy) or persistent "
+        "(ZeroConfig.persist_numel)"
+    )
+
+
+def guard_parameters(params: list[nn.Parameter], lookup: UnitLookup) -> type[ShardedParameter]:
+    """Switch ``params`` to a ``ShardedParameter`` subclass bound to ``lookup``."""
+    cls = type("ShardedParameter", (ShardedParameter,), {"_lookup": lookup})
+    for p in params:
+        p.__class__ = cls
+    return cls

@@ -1,0 +1,241 @@
+"""The stage-3 schedule, run by module and autograd hooks.
+
+[Note: stage-3 schedule]
+Forward, per call of a unit's module:
+  pre:   attach the post-backward trigger to the inputs that require grad; gather the unit (or
+         wait for its prefetch); prefetch the next units of the recorded forward order.
+  post:  hook the outputs that require grad (pre-backward trigger); release the unit unless it
+         is still held. The root is kept gathered until the end of backward when a backward
+         will follow (so parameters read in the root forward after its children ran, such as
+         a tied LM head, and root parameters read in the loss, are available).
+Backward:
+  pre-backward (a hook on the unit's forward outputs; fires before the unit's backward runs):
+         gather the unit, prefetch the next units of the recorded backward order.
+  post-backward (``PostBackward``, an identity autograd function on the unit's inputs; runs once
+         the gradients w.r.t. the inputs exist, i.e. after the unit's backward, and after the
+         ``AccumulateGrad`` of its parameters, which the engine runs first): after the last call
+         of the unit, reduce-scatter its gradients and release it.
+  end    (an autograd engine callback): reduce-scatter every unit not reduced yet (unused units,
+         units whose inputs need no gradient), then the persistent segments, in a fixed order;
+         release everything; the recorded orders become the next predictions.
+Each trigger depends only on the autograd graph, never on which parameters happened to get a
+gradient, so ranks running the same graph issue the same collectives in the same order; the
+order checks (``order.py``) turn ranks whose graphs differ into a clear error.
+
+A unit returning a *view* that the caller then modifies in place loses its pre-backward hook
+(as with FSDP2): return fresh tensors from unit modules.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodp.params.order import OrderCheck
+from zerodp.params.prefetch import PassOrder
+from zerodp.params.reduce import ShardedGrads
+from zerodp.params.tree import map_tensors, tensors_in
+from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the schedule the unit's backward is done.
+    Returns detached aliases rather than the inputs themselves: autograd forbids in-place ops on
+    inputs returned as-is from a custom function, and units may modify their inputs in place."""
+
+    @staticmethod
+    def forward(ctx: Any, schedule: Schedule, unit: Unit, *inputs: torch.Tensor) -> Any:
+        ctx.schedule, ctx.unit = schedule, unit
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.schedule.post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class Schedule:
+    """Gathers, prefetches, reduces and releases units at the right hooks; see
+    [Note: stage-3 schedule]."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        gatherer: Gatherer,
+        grads: ShardedGrads,
+        check: OrderCheck,
+        depth: int,
+        persistent_seg_ids: list[int],
+        trace: Trace,
+    ) -> None:
+        self.units = units
+        self.root = units[0]
+        self.gatherer = gatherer
+        self.grads = grads
+        self.check = check
+        # Units that own no parameter are never gathered: they are left out of the orders so
+        # that they take no prefetch slot.
+        self.fwd = PassOrder(depth)
+        self.bwd = PassOrder(depth)
+        self.persistent_seg_ids = persistent_seg_ids
+        self.trace = trace
+        self._prefetched: list[Unit] = []
+        self._backward_open = False
+        self._handles: list[Any] = []
+
+    def register(self, param_units: list[tuple[nn.Parameter, str, Unit | None]]) -> None:
+        for unit in self.units:
+            m = unit.module
+            pre = partial(self._pre_forward, unit)
+            post = partial(self._post_forward, unit)
+            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
+        for p, name, owner in param_units:
+            hook = partial(self._grad_ready, owner, name)
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _pre_forward(
+        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if unit is self.root and unit.active == 0:
+            self.fwd.begin()
+        if torch.is_grad_enabled():
+            args, kwargs = self._attach_post_backward(unit, args, kwargs)
+        self._use(unit)
+        unit.active += 1
+        self.trace("forward", unit)
+        if unit.segments:
+            self._prefetch(self.fwd.visit(unit.index))
+        return args, kwargs
+
+    def _attach_post_backward(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        needs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not needs:
+            return args, kwargs
+        unit.pending_post_backward += 1
+        outs = iter(PostBackward.apply(self, unit, *needs))
+        return map_tensors((args, kwargs), lambda t: next(outs) if t.requires_grad else t)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        unit.active -= 1
+        outs = [t for t in tensors_in(output) if t.requires_grad]
+        if torch.is_grad_enabled():
+            for t in outs:
+                t.register_hook(partial(self._pre_backward, unit))
+        if unit is self.root and unit.active == 0:
+            unit.kept = unit.kept or bool(outs and torch.is_grad_enabled())
+            self.fwd.end()
+            self._drop_prefetches([])
+        self.trace("forward_end", unit)
+        self.maybe_release(unit)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._open_backward()
+        if unit.in_backward or unit.reduced:  # several outputs, or a unit called twice
+            return
+        unit.in_backward = True
+        self._use(unit)
+        self.trace("backward", unit)
+        if unit.segments:
+            self._prefetch(self.bwd.visit(unit.index))
+
+    def post_backward(self, unit: Unit) -> None:
+        self._open_backward()
+        unit.pending_post_backward -= 1
+        if unit.pending_post_backward > 0:  # an earlier call of the unit is still to come
+            return
+        if self.grads.sync_enabled and not unit.reduced:
+            self._reduce(unit)
+        unit.in_backward = False
+        self.trace("backward_end", unit)
+        self.maybe_release(unit)
+
+    def _grad_ready(self, unit: Unit | None, name: str, param: torch.Tensor) -> None:
+        self._open_backward()
+        if unit is not None and unit.reduced and self.grads.sync_enabled:
+            self.check.error = (
+                f"the gradient of '{name}' arrived after its unit '{unit.label}' was "
+                "reduce-scattered: the parameter is used outside its unit's forward; make it "
+                "part of an enclosing unit (ZeroConfig.unit_classes / unit_policy)"
+            )
+
+    def _open_backward(self) -> None:
+        if self._backward_open:
+            return
+        self._backward_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.bwd.begin(guess=self.fwd.last[::-1])
+
+    def _end_backward(self) -> None:
+        self._backward_open = False
+        if self.grads.sync_enabled:
+            for unit in self.units:
+                if not unit.reduced:
+                    self._reduce(unit)
+            for i in self.persistent_seg_ids:
+                self.grads.reduce(i)
+            self.grads.end_round()
+        self.bwd.end()
+        self.reset()
+
+    def _reduce(self, unit: Unit) -> None:
+        for i in unit.seg_ids:
+            self.grads.reduce(i)
+        unit.reduced = True
+        if unit.segments:
+            self.trace("reduce", unit)
+
+    # -- holding and releasing -----------------------------------------------------------------
+
+    def _use(self, unit: Unit) -> None:
+        if unit.prefetched:
+            unit.prefetched = False
+            self._prefetched.remove(unit)
+        self.gatherer.unshard(unit)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        """Release prefetches that are no longer expected (the bound on gathered memory counts
+        ``depth`` of them), then start the gathers of ``upcoming``."""
+        wanted = [self.units[i] for i in upcoming]
+        self._drop_prefetches(wanted)
+        for unit in wanted:
+            if unit.state is UnitState.RELEASED:
+                self.gatherer.start(unit)
+                unit.prefetched = True
+                self._prefetched.append(unit)
+
+    def _drop_prefetches(self, keep: list[Unit]) -> None:
+        for unit in [u for u in self._prefetched if u not in keep]:
+            unit.prefetched = False
+            self._prefetched.remove(unit)
+            self.maybe_release(unit)
+
+    def maybe_release(self, unit: Unit) -> None:
+        if not unit.held:
+            self.gatherer.release(unit)
+
+    def reset(self) -> None:
+        """Forget per-step holds (end of backward, or the step / a checkpoint load with stale
+        gathered copies) and release every unit nobody holds."""
+        self._prefetched.clear()
+        for unit in self.units:
+            unit.reduced = False
+            unit.in_backward = False
+            unit.pending_post_backward = 0
+            unit.kept = False
+            unit.prefetched = False
+            self.maybe_release(unit)

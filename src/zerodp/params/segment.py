@@ -1,0 +1,117 @@
+"""A stage-3 segment: the parameters of one unit and dtype, sharded at rest.
+
+[Note: sharded storage]
+Each unit segment has one bucket covering it (see [Note: flat buffers]), so rank r owns the r-th
+contiguous 1/N of the unit and one collective gathers or reduces the whole unit. At rest a rank
+holds only ``shard`` (its 1/N, the all-gather input, and what the optimizer updates in fp32
+training). ``param_buffer`` is one persistent tensor whose *storage* is resized to 0 at rest and
+back while gathered, and ``views`` are the parameters' full-shape views of it, made once: autograd
+saves views of parameters in forward, and those keep pointing at the same storage object, so
+they are valid again after the re-gather in backward (FSDP1's trick). Memory is really freed.
+
+A parameter's ``.data`` is its view while gathered and a *placeholder* at rest: a one-element NaN
+tensor expanded to the full shape, so shape, dtype and device stay right for code that inspects
+them, while reading values is refused by ``ShardedParameter`` (``access.py``) with a clear error,
+and any read that bypasses it sees NaN rather than a plausible number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.partition.layout import Range
+from zerodp.partition.segment import Segment, flat_view
+
+
+@dataclass(eq=False)
+class ShardedSegment(Segment):
+    """``Segment`` whose ``param_buffer`` is allocated only while gathered; see
+    [Note: sharded storage]."""
+
+    rank: int
+    shard: torch.Tensor  # 1D, layout.shard_numel: this rank's slice, the all-gather input
+    views: list[torch.Tensor]  # by slot: full-shape views of param_buffer
+    placeholders: list[torch.Tensor]  # by slot: what .data is at rest
+
+    @classmethod
+    def from_segment(
+        cls, seg: Segment, rank: int, shard: torch.Tensor | None = None
+    ) -> ShardedSegment:
+        """Take over a built (gathered) segment, keep this rank's slice (in ``shard`` if given,
+        a preallocated 1D tensor of ``shard_numel``) and release the rest."""
+        assert len(seg.layout.buckets) <= 1, "a unit segment is one bucket"
+        out = cls(
+            seg.index,
+            seg.layout,
+            seg.params,
+            seg.names,
+            seg.dtype,
+            seg.device,
+            seg.param_buffer,
+            rank,
+            torch.empty(0),
+            [],
+            [],
+        )
+        owned = flat_view(seg.param_buffer, out.owned)
+        out.shard = owned.clone() if shard is None else shard.copy_(owned)
+        out._make_views()
+        out.release()
+        return out
+
+    @property
+    def owned(self) -> Range:
+        """This rank's slice of the flat space (one bucket: a contiguous 1/N)."""
+        if not self.layout.buckets:
+            return Range(0, 0)
+        return self.layout.bucket_shard(0, self.rank)
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.param_buffer.element_size()
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    # -- lifecycle (driven by zerodp.params.unit) --------------------------------------------
+
+    def alloc(self) -> None:
+        """Give the full buffer its memory back (uninitialised: the all-gather fills it)."""
+        storage = self.param_buffer.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full_nbytes)
+
+    def show_full(self) -> None:
+        for p, view in zip(self.params, self.views, strict=True):
+            p.data = view
+
+    def release(self) -> None:
+        """Point the parameters at their placeholders and free the full buffer."""
+        for p, placeholder in zip(self.params, self.placeholders, strict=True):
+            p.data = placeholder
+        self.param_buffer.untyped_storage().resize_(0)
+
+    def owned_view(self) -> torch.Tensor:
+        """This rank's slice of the (gathered) full buffer."""
+        return flat_view(self.param_buffer, self.owned)
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Re-store in ``dtype`` (mixed precision's compute copy), at rest."""
+        if dtype == self.dtype:
+            return
+        self.shard = self.shard.to(dtype)
+        self.dtype = dtype
+        self.param_buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+        self._make_views()
+        self.release()
+
+    def _make_views(self) -> None:
+        """Views must be made while the storage is allocated (a view of a 0-byte storage fails
+        its bounds check); they stay valid across later resizes of that storage."""
+        self.alloc()
+        self.views = [self.param_view(slot.index) for slot in self.layout.slots]
+        base = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        self.placeholders = [base.expand(slot.spec.shape) for slot in self.layout.slots]

@@ -1,0 +1,137 @@
+"""A unit's lifecycle (released / gathering / gathered) and the all-gathers that drive it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from zerodp.comm import Communicator, Handle
+from zerodp.params.order import Op, OrderCheck
+from zerodp.params.policy import UnitSpec
+from zerodp.params.segment import ShardedSegment
+
+
+class UnitState(enum.Enum):
+    RELEASED = "released"
+    """Full buffers freed; the parameters' ``.data`` are placeholders that must not be read."""
+    GATHERING = "gathering"
+    """All-gathers into the full buffers are in flight; ``.data`` are still placeholders."""
+    GATHERED = "gathered"
+    """The parameters' ``.data`` view the full buffers."""
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit's tensors and state on this rank (see [Note: units] in ``policy.py``)."""
+
+    spec: UnitSpec
+    segments: list[ShardedSegment]  # one per dtype kind; usually one
+    seg_ids: list[int]  # their indices in the engine's segment list
+    ancestors: tuple[int, ...]  # enclosing units, innermost first
+    state: UnitState = UnitState.RELEASED
+    handles: list[Handle] = field(default_factory=list)
+    # Who holds the unit gathered; it is released when nobody does (Schedule.maybe_release).
+    active: int = 0  # forward calls in progress
+    in_backward: bool = False  # its backward started and its gradients are not reduced yet
+    prefetched: bool = False  # gathered ahead of its use, not used yet
+    kept: bool = False  # the root, from its forward to the end of backward
+    pinned: int = 0  # full_parameters / state_dict / load_state_dict
+    # Per backward: post-backward callbacks still expected (one per forward call whose inputs
+    # require grad) and whether the gradients were reduce-scattered.
+    pending_post_backward: int = 0
+    reduced: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def module(self) -> nn.Module:
+        return self.spec.module
+
+    @property
+    def held(self) -> bool:
+        return bool(self.active or self.in_backward or self.prefetched or self.kept or self.pinned)
+
+    @property
+    def full_nbytes(self) -> int:
+        return sum(s.full_nbytes for s in self.segments)
+
+    @property
+    def shard_nbytes(self) -> int:
+        return sum(s.shard_nbytes for s in self.segments)
+
+
+class Trace:
+    """Optional record of lifecycle events ``(event, unit label)``, for tests and debugging:
+    set ``events`` to a list to start recording."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] | None = None
+
+    def __call__(self, event: str, unit: Unit) -> None:
+        if self.events is not None and (unit.segments or event.startswith(("forward", "back"))):
+            self.events.append((event, unit.label))
+
+
+class Gatherer:
+    """Starts, waits for and undoes the all-gathers of units, and accounts the bytes of
+    gathered (unsharded) parameters: now and the peak."""
+
+    def __init__(self, comm: Communicator, check: OrderCheck, trace: Trace) -> None:
+        self.comm = comm
+        self.check = check
+        self.trace = trace
+        self.gathered_bytes = 0
+        self.peak_bytes = 0
+
+    def start(self, unit: Unit) -> None:
+        """RELEASED -> GATHERING: allocate the full buffers and launch the all-gathers."""
+        if unit.state is not UnitState.RELEASED:
+            return
+        if unit.segments:
+            self.check(Op.GATHER, unit.index)
+        for seg in unit.segments:
+            seg.alloc()
+            unit.handles.append(self.comm.all_gather(seg.param_buffer, seg.shard, async_op=True))
+        unit.state = UnitState.GATHERING
+        self.gathered_bytes += unit.full_nbytes
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
+        self.trace("gather", unit)
+
+    def wait(self, unit: Unit) -> None:
+        """GATHERING -> GATHERED: the parameters become their full views."""
+        if unit.state is not UnitState.GATHERING:
+            return
+        for h in unit.handles:
+            h.wait()
+        unit.handles.clear()
+        for seg in unit.segments:
+            seg.show_full()
+        unit.state = UnitState.GATHERED
+        self.trace("ready", unit)
+
+    def unshard(self, unit: Unit) -> None:
+        self.start(unit)
+        self.wait(unit)
+
+    def release(self, unit: Unit) -> None:
+        """-> RELEASED: placeholders in, full buffers freed (after any in-flight gather, which
+        must not write into freed memory)."""
+        if unit.state is UnitState.RELEASED:
+            return
+        self.wait(unit)
+        for seg in unit.segments:
+            seg.release()
+        unit.state = UnitState.RELEASED
+        self.gathered_bytes -= unit.full_nbytes
+        self.trace("release", unit)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.gathered_bytes

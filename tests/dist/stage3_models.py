@@ -1,0 +1,187 @@
+"""Small models for the stage-3 tests (importable by the worker processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A residual MLP layer."""
+
+    def __init__(self, d: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.proj = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(self.fc(x)))
+
+
+class Stack(nn.Module):
+    """Every parameter is in a block (the root owns none), so the default policy (container
+    elements) makes each block a unit and the traffic is exactly 3x the units. The blocks
+    differ in size, so the largest unit is a real bound. ``order`` reorders or skips blocks."""
+
+    def __init__(self, d: int = 8, hiddens: tuple[int, ...] = (12, 20, 16, 9)) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for h in hiddens)
+
+    def forward(self, x: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
+        for i in order if order is not None else range(len(self.blocks)):
+            x = self.blocks[i](x)
+        return x
+
+
+class Reuse(nn.Module):
+    """``shared`` is called twice in one forward (weight reuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.shared = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+class TiedHead(nn.Module):
+    """An output projection tied to the embedding, the two in different units."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+class Features(nn.Module):
+    """Returns features; the loss applies ``model.head.weight`` outside any forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(6, h) for h in (10, 7))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Inner(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class Outer(nn.Module):
+    """A unit with parameters of its own around a nested unit."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = Inner(d)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(self.norm(x)) * self.gate
+
+
+class Nested(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Outer(d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass
+class Out:
+    y: torch.Tensor
+    aux: torch.Tensor
+
+
+class TupleUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return torch.tanh(h), h.pow(2).mean(-1)
+
+
+class DictUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, aux = pair
+        return {"y": torch.tanh(self.fc(x)), "aux": aux + x.sum(-1)}
+
+
+class DataclassUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> Out:
+        return Out(self.fc(d["y"]), d["aux"] * 0.5)
+
+
+class Structured(nn.Module):
+    """Units whose outputs (and inputs) are a tuple, a dict and a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = TupleUnit()
+        self.d = DictUnit()
+        self.c = DataclassUnit()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.c(self.d(self.t(x)))
+        return out.y.sum(-1) + out.aux
+
+
+class Gated(nn.Module):
+    """``extra`` is used only when asked: unused on some ranks, inside a unit that runs on all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.extra = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        return y + self.extra(y) if branch else y
+
+
+class GatedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Gated(), Gated(), Gated()])
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, branch)
+        return self.head(x)

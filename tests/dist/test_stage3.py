@@ -1,0 +1,355 @@
+"""Stage 3 on real gloo ranks: traffic (3x the units), bytes held and gathered, prefetch event
+order, changed and skipped unit orders, and ranks that run different units.
+
+The core parity cases (optimizers, odd sizes, tied, unused, frozen, accumulation, clipping,
+schedulers, state dicts, buffers, mixed precision) run at stage 3 in test_stages.py,
+test_features.py and test_precision.py; more structures are in test_stage3_access.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stage3_models import Stack
+from torch import nn
+from zerotest import (
+    Branchy,
+    adamw_two_groups,
+    assert_close,
+    batches,
+    make_pair,
+    rank_world,
+    reference_step,
+    sgd_momentum,
+)
+
+import zerodp
+
+TIMEOUT = 90.0
+HIDDENS = (12, 20, 16, 9)
+
+
+def _cfg(**kw) -> zerodp.ZeroConfig:
+    kw.setdefault("unit_min_numel", 1)  # every block of the tiny Stack is a unit
+    return zerodp.ZeroConfig(stage=3, **kw)
+
+
+def _mse(data, **fwd):
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        x, y = data[r]
+        return F.mse_loss(m(x, **fwd), y)
+
+    return loss
+
+
+def _train(pair, steps: range, world: int, rank: int, check: bool = True, **fwd) -> float:
+    """Train ``pair`` and its reference; compare them after every step (``check``: comparing
+    gathers the whole model, which the gathered-bytes peak then includes)."""
+    worst = 0.0
+    for step in steps:
+        data = batches(step, world, 3, [(8,), (8,)])
+        reference_step(pair, _mse(data, **fwd), world)
+        _mse(data, **fwd)(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        if check:
+            worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step} {fwd}"))
+    return worst
+
+
+# -- traffic and memory --------------------------------------------------------------------------
+
+
+def case_accounting(depth: int, persist: int) -> dict:
+    rank, world = rank_world()
+    cfg = _cfg(prefetch_depth=depth, persist_numel=persist)
+    pair = make_pair(Stack, adamw_two_groups, cfg)
+    _train(pair, range(3), world, rank, check=False)
+    report = pair.opt.memory_report().to_dict()
+    worst = assert_close(pair.model, pair.ref, what="after 3 steps")
+    eng = pair.opt.engine
+    sharded = eng.params
+    assert sharded is not None
+    stats = pair.opt.comm_stats()
+    assert stats is not None
+    return {
+        "worst": worst,
+        "elements": stats.elements,
+        "units": [sum(s.layout.padded_numel for s in u.segments) for u in sharded.units],
+        "persistent": sum(eng.segments[i].layout.padded_numel for i in sharded.persistent_seg_ids),
+        "report": report,
+        "owned": sum(op.piece.param_range.numel for op in eng.pieces),
+        "pieces": len(eng.pieces),
+    }
+
+
+def case_bf16_memory() -> dict:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = zerodp.initialize(model, opt, _cfg(precision="bf16"))
+    for step in range(2):
+        x, y = batches(step, world, 3, [(8,), (8,)])[rank]
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    eng = opt.engine
+    return {
+        "report": opt.memory_report().to_dict(),
+        "owned": sum(op.piece.param_range.numel for op in eng.pieces),
+        "pieces": len(eng.pieces),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mixed_precision_memory_is_16_psi_over_n(world, world_size):
+    """bf16 AdamW at stage 3: 2 Psi/N parameters + 2 Psi/N gradients + 12 Psi/N (fp32 masters,
+    momentum, variance) = 16 Psi/N (paper, K = 12), up to padding."""
+    n = world_size
+    psi = sum(17 * h + 8 for h in HIDDENS)
+    for o in world(n).run(case_bf16_memory, timeout=TIMEOUT):
+        r = o["report"]
+        shard = r["padded_numel"] // n
+        assert r["precision"] == "bf16" and r["stage"] == 3
+        assert r["parameters"] == 2 * shard
+        assert r["gradients"] == 2 * shard
+        assert r["master_parameters"] == 4 * shard
+        assert r["optimizer_state"] == 4 * shard + 8 * o["owned"] + 4 * o["pieces"]
+        theory = r["theory"]
+        total = theory["parameters"] + theory["gradients"] + theory["optimizer_state"]
+        assert total == 16 * psi / n
+        measured = r["model_states"] - r["optimizer_scalar_bytes"]
+        assert abs(measured - 16 * psi / n) <= 16 * (r["padded_numel"] - psi) / n + 16
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_traffic_is_three_times_the_units_and_memory_is_bounded(world, world_size):
+    n = world_size
+    psi = sum(17 * h + 8 for h in HIDDENS)
+    for depth, persist in [(1, 0), (2, 0), (1, 8)]:
+        out = world(n).run(case_accounting, depth, persist, timeout=TIMEOUT)
+        for o in out:
+            units, pers = o["units"], o["persistent"]
+            # Per step: all-gather every unit in forward and again in backward, reduce-scatter
+            # it once: 3x the (padded) units; persistent parameters: reduce-scatter + all-gather.
+            assert o["elements"] == {
+                "all_gather": 2 * sum(units) + pers,
+                "reduce_scatter": sum(units) + pers,
+            }, (depth, persist, o["elements"], units, pers)
+            r = o["report"]
+            assert r["num_params"] == psi
+            if persist == 0:
+                assert units[0] == 0 and pers == 0  # the root owns nothing: exactly 3 Psi
+                # fp32 AdamW at stage 3: 4 Psi/N + 4 Psi/N + 8 Psi/N, up to padding.
+                padded = r["padded_numel"]
+                assert r["parameters"] == 4 * padded // n
+                assert r["gradients"] == 4 * padded // n
+                assert r["optimizer_state"] == 8 * o["owned"] + 4 * o["pieces"]
+                theory = r["theory"]
+                assert theory["parameters"] + theory["gradients"] + theory["optimizer_state"] == (
+                    16 * psi / n
+                )
+                measured = r["model_states"] - r["optimizer_scalar_bytes"]
+                assert abs(measured - 16 * psi / n) <= 16 * (padded - psi) / n + 16
+            else:  # the biases (8 elements) stay replicated, counted apart
+                assert r["persistent_parameters"] == 4 * pers > 0
+            # Gathered parameters never exceed (depth + 1) x the largest unit (the root owns
+            # nothing, so no enclosing unit adds to it), and prefetch did overlap units.
+            largest = 4 * max(units)
+            assert r["largest_unit"] == largest
+            assert r["gathered_bound"] == (depth + 1) * largest
+            assert largest < r["gathered_peak"] <= r["gathered_bound"], r
+            assert r["gathered_now"] == 0
+        # Optimizer state is sharded for persistent parameters too: the shards partition Psi.
+        assert sum(o["owned"] for o in out) == psi
+
+
+def case_gpt_traffic() -> dict:
+    from zerodp.models.gpt import GPT, get_config
+
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    ref = GPT(get_config("tiny"))
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny"))
+    # SGD: the key bias of attention has an exactly-zero true gradient (softmax ignores it),
+    # which Adam would turn rounding noise of any summation order into full-size steps on.
+    ref_opt = sgd_momentum(list(ref.parameters()))
+    model, opt = zerodp.initialize(
+        model, sgd_momentum(list(model.parameters())), zerodp.ZeroConfig(stage=3)
+    )
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
+        total = sum(ref(t[:, :-1], t[:, 1:])[1] for t in tokens) / world
+        total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _, loss = model(tokens[rank][:, :-1], tokens[rank][:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert_close(model, ref, what=f"GPT step {step}")
+    sharded = opt.engine.params
+    stats = opt.comm_stats()
+    return {
+        "labels": [u.label for u in sharded.units],
+        "units": [sum(s.layout.padded_numel for s in u.segments) for u in sharded.units],
+        "elements": stats.elements,
+        "report": opt.memory_report().to_dict(),
+    }
+
+
+def test_gpt_default_units_traffic_and_bound(world):
+    """Default policy on the GPT: the root unit (embeddings, tied head, final norm) plus one
+    unit per block. The root stays gathered from forward to the end of backward (the tied head
+    reads the embedding in the root's forward), so its backward all-gather is skipped, and the
+    bound on gathered bytes adds the root to (depth + 1) x the largest unit."""
+    out = world(2).run(case_gpt_traffic, timeout=TIMEOUT)
+    for o in out:
+        root, *blocks = o["units"]
+        assert o["labels"] == ["<root GPT>", "blocks.0", "blocks.1"]
+        assert o["elements"] == {
+            "all_gather": root + 2 * sum(blocks),
+            "reduce_scatter": root + sum(blocks),
+        }
+        r = o["report"]
+        assert r["gathered_bound"] == 4 * root + 2 * 4 * max(blocks)
+        assert r["gathered_peak"] <= r["gathered_bound"]
+
+
+# -- prefetch ------------------------------------------------------------------------------------
+
+
+def case_events(depth: int) -> list[tuple[str, str]]:
+    rank, world = rank_world()
+    pair = make_pair(Stack, sgd_momentum, _cfg(prefetch_depth=depth))
+    _train(pair, range(1), world, rank)  # step 0 records the order
+    trace = pair.opt.engine.params.trace
+    trace.events = []
+    _train(pair, range(1, 2), world, rank, check=False)
+    events, trace.events = trace.events, None
+    return events
+
+
+def test_prefetch_event_order(world):
+    events = world(2).run(case_events, 1, timeout=TIMEOUT)
+    assert events[0] == events[1], "ranks saw different schedules"
+    ev = events[0]
+    at = {e: i for i, e in enumerate(ev)}  # last occurrence of each event
+    first = {}
+    for i, e in enumerate(ev):
+        first.setdefault(e, i)
+    b = [f"blocks.{k}" for k in range(4)]
+    # Forward: the gather of block k+1 is issued after block k started and before it ended,
+    # i.e. it is in flight while block k computes; block k is released before block k+2 is
+    # gathered (at most 2 units gathered at depth 1).
+    for k in range(3):
+        assert first[("forward", b[k])] < first[("gather", b[k + 1])], ev
+        assert first[("gather", b[k + 1])] < first[("forward_end", b[k])], ev
+    for k in range(2):
+        assert first[("release", b[k])] < first[("gather", b[k + 2])], ev
+    # Backward: the same in reverse; each block is gathered exactly once per pass.
+    for k in range(3, 0, -1):
+        assert at[("backward", b[k])] < at[("gather", b[k - 1])] < at[("reduce", b[k])], ev
+    for name in b:
+        assert ev.count(("gather", name)) == 2 and ev.count(("reduce", name)) == 1, ev
+    # The exact schedule of the forward pass, for the record.
+    forward = ev[: first[("forward_end", "<root Stack>")] + 1]
+    assert forward == [
+        ("forward", "<root Stack>"),
+        ("gather", b[0]),
+        ("ready", b[0]),
+        ("forward", b[0]),
+        ("gather", b[1]),
+        ("forward_end", b[0]),
+        ("release", b[0]),
+        ("ready", b[1]),
+        ("forward", b[1]),
+        ("gather", b[2]),
+        ("forward_end", b[1]),
+        ("release", b[1]),
+        ("ready", b[2]),
+        ("forward", b[2]),
+        ("gather", b[3]),
+        ("forward_end", b[2]),
+        ("release", b[2]),
+        ("ready", b[3]),
+        ("forward", b[3]),
+        ("forward_end", b[3]),
+        ("release", b[3]),
+        ("forward_end", "<root Stack>"),
+    ], forward
+
+
+def case_order_changes() -> dict:
+    """Blocks reordered, then one skipped (on every rank): correct results, no hang; the
+    mispredicted units are gathered on demand."""
+    rank, world = rank_world()
+    pair = make_pair(Stack, adamw_two_groups, _cfg(prefetch_depth=2))
+    _train(pair, range(2), world, rank, check=False)
+    _train(pair, range(2, 3), world, rank, check=False, order=[0, 2, 1, 3])
+    _train(pair, range(3, 4), world, rank, check=False, order=[0, 1, 3])
+    _train(pair, range(4, 6), world, rank, check=False)
+    report = pair.opt.memory_report()
+    assert report.gathered_peak <= report.gathered_bound, report
+    return {"worst": assert_close(pair.model, pair.ref, what="after reordering")}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_changed_and_skipped_unit_order(world, world_size):
+    out = world(world_size).run(case_order_changes, timeout=TIMEOUT)
+    assert max(o["worst"] for o in out) <= 1e-6
+
+
+# -- ranks that run different units ----------------------------------------------------------------
+
+
+def case_divergent_unit() -> str:
+    """``sometimes`` is a unit that runs on rank 0 only."""
+    rank, world = rank_world()
+    pair = make_pair(Branchy, adamw_two_groups, _cfg(unit_classes=("Linear",)))
+    try:
+        for step in range(3):
+            data = batches(step, world, 2, [(4,), (4,)])
+            x, y = data[rank]
+            F.mse_loss(pair.model(x, use_branch=(rank == 0)), y).backward()
+            pair.opt.step()
+            pair.opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unit_run_on_some_ranks_only_raises_everywhere(world, world_size):
+    messages = world(world_size).run(case_divergent_unit, timeout=TIMEOUT)
+    for msg in messages:
+        assert msg.startswith("zerodp stage 3: ranks diverged at a parameter collective"), msg
+        assert "rank 0 all-gathers 'sometimes'" in msg, msg
+        assert "rank 1 all-gathers 'fc'" in msg, msg
+    assert len(set(messages)) == 1, messages
+
+
+def case_rank_dependent_policy() -> str:
+    rank, _ = rank_world()
+    model = Stack()
+    try:
+        zerodp.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            zerodp.ZeroConfig(stage=3),
+            unit_policy=lambda name, m: name == f"blocks.{rank}",
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_units_that_differ_across_ranks_are_refused(world):
+    for msg in world(2).run(case_rank_dependent_policy, timeout=TIMEOUT):
+        assert msg.startswith("zerodp.initialize: rank 1 chose other stage-3 units than rank 0"), (
+            msg
+        )
