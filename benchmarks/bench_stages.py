@@ -19,7 +19,8 @@ bytes held per rank by category, and a short ``torch.profiler`` pass (top operat
     torchrun --nproc-per-node 2 benchmarks/bench_stages.py  # or launch it yourself
 
 Rank 0 prints the tables (Markdown) and writes the JSON (``--json``). The table/JSON formatting
-is in pure functions (``summarize``, ``paired_ratios``, ``format_*``) tested by
+is in pure functions (``format_*``; the statistics ``summarize``, ``paired_ratios`` etc. and the
+DDP memory and parity helpers are shared with ``zerodp bench``, in ``zerodp.bench``) tested by
 ``tests/unit/test_bench_format.py``.
 """
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import socket
@@ -37,12 +37,26 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zerodp.bench import stats
+from zerodp.bench.stats import (
+    MIB,
+    max_over_ranks,
+    paired_ratios,
+    percentile,
+    round_order,
+    summarize,
+)
+from zerodp.bench.stats import fmt_mib as _mib
+from zerodp.bench.stats import fmt_ms as _ms
+from zerodp.bench.stats import fmt_ratio as _ratio
+from zerodp.bench.stats import fmt_sci as _sci
+
 KNOWN_CONFIGS = ("ddp", "zero0", "zero1", "zero2", "local")
 """``local``: no communication at all (each rank trains alone): a compute-only lower bound."""
 DEFAULT_CONFIGS = "ddp,zero0,zero1,zero2"
 REFERENCE = "ddp"
 PHASES = ("zero_grad", "forward", "backward", "wait", "optimizer", "gather", "total")
-MIB = 2**20
+__all__ = ["max_over_ranks", "paired_ratios", "percentile", "round_order", "summarize"]
 
 
 # -- pure helpers (no torch, no process group) ----------------------------------------------------
@@ -66,72 +80,9 @@ def stage_of(config: str) -> int | None:
     return int(config[4:]) if config.startswith("zero") else None
 
 
-def round_order(configs: Sequence[str], step: int) -> list[str]:
-    """The order in which the configurations run at ``step``: rotated by one each step, so each
-    runs in each position equally often (no configuration always follows the same one)."""
-    k = step % len(configs) if configs else 0
-    return list(configs[k:]) + list(configs[:k])
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (``q`` in [0, 100]) of a non-empty sequence."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(times: Sequence[float]) -> dict[str, float]:
-    """Robust summary of step times in seconds: median, min, quartiles, and the noise as the
-    interquartile range relative to the median (``iqr_rel``)."""
-    med = statistics.median(times)
-    p25, p75 = percentile(times, 25), percentile(times, 75)
-    return {
-        "n": len(times),
-        "median": med,
-        "min": min(times),
-        "max": max(times),
-        "mean": statistics.fmean(times),
-        "p25": p25,
-        "p75": p75,
-        "iqr_rel": (p75 - p25) / med if med > 0 else 0.0,
-    }
-
-
-def paired_ratios(
-    times: Mapping[str, Sequence[float]], reference: str = REFERENCE
-) -> dict[str, dict[str, float]]:
-    """Per step, ``time[config] / time[reference]`` (the steps ran side by side, so slow periods
-    of the machine cancel); summarised as median and quartiles. Empty without the reference."""
-    ref = times.get(reference)
-    if not ref:
-        return {}
-    out = {}
-    for name, ts in times.items():
-        ratios = [t / r for t, r in zip(ts, ref, strict=True) if r > 0]
-        if ratios:
-            out[name] = {
-                "median": statistics.median(ratios),
-                "p25": percentile(ratios, 25),
-                "p75": percentile(ratios, 75),
-            }
-    return out
-
-
 def phase_medians(phases: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Median over steps of each phase's seconds (phases missing in a step count as 0)."""
-    if not phases:
-        return {}
-    names = [p for p in PHASES if any(p in s for s in phases)]
-    return {p: statistics.median(s.get(p, 0.0) for s in phases) for p in names}
-
-
-def max_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
-    """Step ``i``'s time is the slowest rank's: that is when the job could move on."""
-    return [max(ts) for ts in zip(*per_rank, strict=True)]
+    return stats.phase_medians(phases, PHASES)
 
 
 def build_report(
@@ -164,24 +115,6 @@ def build_report(
             "step_times_s": list(ts),
         }
     return {"meta": dict(meta), "configs": configs, "profile": dict(profile or {})}
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
-
-
-def _mib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / MIB:.1f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _sci(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return "0" if value == 0 else f"{value:.1e}"
 
 
 def format_table(report: Mapping[str, Any]) -> str:
@@ -426,44 +359,27 @@ class _Run:
     def memory(self) -> dict[str, Any]:
         if self.stage is not None:
             return self.opt.memory_report().to_dict()
-        params = list(self.module.parameters())
-        p_bytes = sum(p.numel() * p.element_size() for p in params)
-        g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        o_bytes = 0
-        for st in self.opt.state.values():
-            for v in st.values():
-                if hasattr(v, "numel"):
-                    o_bytes += v.numel() * v.element_size()
-        buffers = None
-        if self.name == "ddp":
-            try:  # DDP's flat bucket buffers (private API: best effort)
-                sizes = self.model._get_ddp_logging_data().get("bucket_sizes", "")
-                buffers = sum(int(s) for s in str(sizes).split(",") if s.strip())
-            except Exception:
-                buffers = None
+        from zerodp.bench.peers import DDPPeer, Peer
+
+        # DDP's bucket buffers are counted by the `zerodp bench` adapter (private API).
+        peer = (DDPPeer if self.name == "ddp" else Peer)(self.module, self.model, self.opt, False)
+        m = peer.memory()
+        states = m["parameters"] + m["gradients"] + m["optimizer_state"]
         return {
-            "parameters": p_bytes,
-            "gradients": g_bytes,
-            "optimizer_state": o_bytes,
-            "comm_buffers": buffers,
-            "model_states": p_bytes + g_bytes + o_bytes,
-            "num_params": sum(p.numel() for p in params),
+            "parameters": m["parameters"],
+            "gradients": m["gradients"],
+            "optimizer_state": m["optimizer_state"],
+            "comm_buffers": m["buffers"],
+            "model_states": states,
+            "num_params": sum(p.numel() for p in self.module.parameters()),
         }
 
 
 def _parity(run: _Run, ref: _Run) -> dict[str, float]:
-    import torch
+    from zerodp.bench.parity import compare_params
 
-    ref_params = dict(ref.module.named_parameters())
-    worst_rel = worst_abs = 0.0
-    with torch.no_grad():
-        for name, p in run.module.named_parameters():
-            q = ref_params[name]
-            diff = (p.detach() - q.detach()).abs().max().item()
-            scale = q.detach().abs().max().item()
-            worst_abs = max(worst_abs, diff)
-            worst_rel = max(worst_rel, diff / scale if scale > 0 else diff)
-    return {"max_rel_diff": worst_rel, "max_abs_diff": worst_abs}
+    found = compare_params(dict(run.module.named_parameters()), dict(ref.module.named_parameters()))
+    return {k: v for k, v in found.items() if isinstance(v, float)}  # max-over-ranks-able
 
 
 def _profile(runs: list[_Run], sampler: Any, first_step: int, steps: int) -> dict[str, Any]:

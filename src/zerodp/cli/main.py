@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 # Subcommand name -> module under zerodp.cli. Imported lazily so `zerodp estimate` stays fast.
 SUBCOMMANDS = {
+    "bench": "zerodp.cli.bench",
     "consolidate": "zerodp.cli.consolidate",
     "estimate": "zerodp.cli.estimate",
     "train": "zerodp.cli.train",

@@ -1,0 +1,213 @@
+"""Measuring what a rank holds: resident set size by phase, and bytes of tensors by storage.
+
+Peak RSS: ``getrusage(RUSAGE_SELF).ru_maxrss`` is a process-lifetime peak. On Linux the kernel
+lets a process reset its own peak (writing ``5`` to ``/proc/self/clear_refs`` sets ``VmHWM``,
+which ``ru_maxrss`` reads, back to the current RSS), so a phase's own peak can be read as
+``VmHWM`` after it (``peak_rss``). Without that (other systems, or /proc not writable) every
+"peak" is the lifetime peak so far, and ``PhaseProbe.resettable`` says so.
+
+Bytes of tensors are counted per *storage*, once: a parameter that is a view into a flat buffer
+counts the buffer, and a buffer already counted in one category is not counted again in the
+next. A DTensor counts its local shard's storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import resource
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def current_rss() -> int | None:
+    """Resident bytes of this process now (Linux ``/proc/self/statm``), else ``None``."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def lifetime_peak_rss() -> int:
+    """``ru_maxrss`` in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_rss() -> int:
+    """Peak RSS since the last ``reset_peak_rss`` (Linux ``VmHWM``), else the lifetime peak.
+
+    Not ``ru_maxrss`` after a reset: it is also the maximum with the peaks the kernel saved when
+    threads exited (gloo and the autograd engine start and stop threads), which the reset
+    leaves alone."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return lifetime_peak_rss()
+
+
+def reset_peak_rss() -> bool:
+    """Set this process's peak RSS back to its current RSS; ``False`` where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+_MALLINFO2_FIELDS: tuple[str, ...] = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
+_MALLINFO2_FIELDS += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]  # glibc's struct
+
+
+@functools.lru_cache(maxsize=1)
+def _mallinfo2() -> Any:
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def malloc_stats() -> dict[str, int] | None:
+    """glibc's account of the C heap (where CPU tensors live): ``heap_used`` bytes handed out
+    (arena chunks in use + mmapped blocks) and ``heap_free`` bytes freed but kept by the
+    allocator (resident if they were touched): RSS that no tensor holds. ``None`` elsewhere."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return {"heap_used": int(info.uordblks + info.hblkhd), "heap_free": int(info.fordblks)}
+
+
+class PhaseProbe:
+    """RSS (and CUDA memory) at the end of each phase of a step, and the peak within it.
+
+    Create it when set-up is done: it first reads the peak so far (model build and wrapping,
+    ``setup_peak``), then checks that the peak can be reset."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.setup_peak = peak_rss()
+        self.resettable = reset_peak_rss()
+
+    def begin(self) -> None:
+        """A phase starts: its peak counts from here."""
+        if self.resettable:
+            reset_peak_rss()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self) -> dict[str, int | None]:
+        """A phase ended: RSS now and the peak during the phase (bytes)."""
+        out: dict[str, int | None] = {"rss": current_rss(), "peak": peak_rss()}
+        out.update(malloc_stats() or {})
+        if self.cuda:
+            out["cuda"] = torch.cuda.memory_allocated()
+            out["cuda_peak"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def local_tensor(t: Any) -> torch.Tensor | None:
+    """The tensor whose storage this rank holds: a DTensor's local shard, else ``t`` itself;
+    ``None`` for non-tensors and meta tensors."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    local = getattr(t, "_local_tensor", None)  # DTensor, without importing its module
+    if isinstance(local, torch.Tensor):
+        t = local
+    return None if t.is_meta else t
+
+
+def tensor_bytes(values: Iterable[Any], seen: set[tuple[str, int]]) -> int:
+    """Bytes of the storages of ``values`` (tensors; anything else is skipped) not in ``seen``;
+    adds them to ``seen``. A storage of 0 bytes (a freed FSDP buffer) counts 0."""
+    total = 0
+    for value in values:
+        t = local_tensor(value)
+        if t is None:
+            continue
+        with contextlib.suppress(RuntimeError):  # a tensor without storage (e.g. sparse)
+            key = storage_key(t)
+            if key[1] == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class SavedForBackward:
+    """Bytes autograd saves for backward inside the ``with`` block (unique storages; a view
+    counts its whole storage once). Storages of ``exclude`` (the parameters as the rank holds
+    them at rest) are counted apart: saving them costs no memory. Parameters gathered for the
+    step (stage 3, FSDP) are saved too, but freed after the unit's forward (their storage is
+    resized to 0 and gathered again for backward): ``alive_bytes()`` says what is still held.
+    """
+
+    def __init__(self, exclude: Iterable[Any]) -> None:
+        tensors = (local_tensor(x) for x in exclude)
+        self._exclude = {storage_key(t) for t in tensors if t is not None}
+        self._seen: set[tuple[str, int]] = set()
+        self._storages: list[torch.UntypedStorage] = []
+        self.nbytes = 0
+        self.param_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        with contextlib.suppress(RuntimeError):  # no storage (sparse, nested): not counted
+            key = storage_key(t)
+            if key[1] != 0 and key not in self._seen:
+                self._seen.add(key)
+                n = t.untyped_storage().nbytes()
+                if key in self._exclude:
+                    self.param_bytes += n
+                else:
+                    self.nbytes += n
+                    self._storages.append(t.untyped_storage())
+        return t
+
+    def alive_bytes(self) -> int:
+        """Bytes of the saved (non-parameter) storages now; less than ``nbytes`` where some
+        were freed since (gathered parameters)."""
+        return sum(st.nbytes() for st in self._storages)
+
+    def release(self) -> None:
+        """Drop the references to the storages (autograd keeps what it needs)."""
+        self._storages.clear()
+
+    def __enter__(self) -> SavedForBackward:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[Any]:
+    """Every value in ``opt.state`` (tensors and scalars; ``tensor_bytes`` keeps the tensors)."""
+    return [v for st in opt.state.values() for v in st.values()]

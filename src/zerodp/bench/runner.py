@@ -1,0 +1,191 @@
+"""The per-rank side of ``zerodp bench``: one configuration, timed step by step.
+
+``rank_main`` runs in every rank of one launch (see ``launch.py``: one launch per configuration,
+so a rank's peak RSS is that configuration's alone). It joins the process group from the
+launcher's environment, imports the system's modules, records the baseline RSS, builds the
+model from the seed, wraps it, runs ``warmup + steps`` steps on the embedded corpus, measures,
+writes its full final parameters for the parity check and returns a plain dict (the launcher
+hands it to the parent).
+
+A step is ``zero_grad + forward + backward + step``, each phase timed on its own after a barrier
+(on CUDA each phase ends with a synchronize so that its time is its own). The RSS after each
+phase and the peak within it come from ``PhaseProbe``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from zerodp.bench import peers
+from zerodp.bench.options import BenchOptions
+from zerodp.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
+from zerodp.comm.communicator import destroy, init_from_env
+
+PHASES = ("zero_grad", "forward", "backward", "step")
+_PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
+
+
+@record
+def rank_main(options: BenchOptions, name: str, workdir: str, save_params: bool) -> dict[str, Any]:
+    """Run configuration ``name`` as this rank; the per-rank result (see ``_run``).
+
+    ``@record`` writes an exception's traceback where the elastic agent finds it, so the parent
+    can show the rank's error instead of a bare exit code."""
+    info = _join_world(options)
+    try:
+        return _run(options, name, info, Path(workdir), save_params)
+    finally:
+        destroy()
+
+
+def params_file(workdir: Path, name: str, rank: int) -> Path:
+    return workdir / f"{name}.rank{rank}.pt"
+
+
+def _join_world(options: BenchOptions) -> peers.RankInfo:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # Ranks sharing a node share its cores: by default each gets its part, not all of them
+    # (oversubscribed ranks run several times slower and much more noisily).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(options.threads or max(1, (cores or 1) // local_world))
+    init_from_env(timeout_s=_PG_TIMEOUT_S)
+    return peers.RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _run(
+    options: BenchOptions, name: str, info: peers.RankInfo, workdir: Path, save_params: bool
+) -> dict[str, Any]:
+    from zerodp.data.corpus import BatchSampler, load_corpus
+    from zerodp.models.gpt import GPT, get_config, num_parameters
+
+    base = {"rank": info.rank, "config": name}
+    try:
+        peers.import_for(name)
+    except peers.Unavailable as exc:
+        return {**base, "status": exc.status, "reason": exc.reason}
+    cfg = get_config(options.preset)
+    sampler = BatchSampler(
+        load_corpus(), options.batch, cfg.seq_len, options.seed, info.rank, info.world_size
+    )
+    rss_baseline = current_rss()  # runtime: torch, the system's modules, the process group
+    heap_baseline = malloc_stats()
+    torch.manual_seed(options.seed)  # the same initial weights for every configuration
+    module = GPT(cfg).to(info.device)
+    num_params = num_parameters(module)
+    try:
+        peer = peers.build(name, module, info, options)
+    except peers.Unavailable as exc:
+        return {**base, "status": exc.status, "reason": exc.reason}
+    with peers.closing(peer):
+        dist.barrier()
+        rss_setup = current_rss()
+        probe = PhaseProbe(info.device)
+        # The last step also accounts for memory at the end of its forward pass, when every
+        # activation is alive (the hooks cost a Python call per saved tensor: ~1 ms).
+        counted = _total(options) - 1
+        steps = [
+            _step(peer, sampler, s, info.device, probe, count_saved=s == counted)
+            for s in range(_total(options))
+        ]
+        result = {
+            **base,
+            "status": "ok",
+            "world_size": info.world_size,
+            "backend": str(dist.get_backend()),
+            "device": str(info.device),
+            "threads": torch.get_num_threads(),
+            "num_params": num_params,
+            "rss_baseline": rss_baseline,
+            "heap_baseline": heap_baseline,
+            "rss_setup": rss_setup,
+            "peak_rss_setup": probe.setup_peak,
+            "peak_resettable": probe.resettable,
+            "steps": steps,
+            "memory": peer.memory(),
+            "comm": peer.comm(),
+            "rss_end": current_rss(),
+        }
+        if save_params:  # after measuring: gathering full parameters allocates
+            path = params_file(workdir, name, info.rank)
+            torch.save(peer.full_params(), path)
+            result["params_file"] = str(path)
+        dist.barrier()
+    return result
+
+
+def _total(options: BenchOptions) -> int:
+    return options.warmup + options.steps
+
+
+def _step(
+    peer: peers.Peer,
+    sampler: Any,
+    step: int,
+    device: torch.device,
+    probe: PhaseProbe,
+    count_saved: bool = False,
+) -> dict[str, Any]:
+    """One step: seconds and memory per phase, the loss, and with ``count_saved`` the bytes
+    autograd saved for backward and the tensors held by category at the end of the forward pass
+    (measured between the phases, outside their times)."""
+    x, y = (t.to(device) for t in sampler.batch_at(step))
+    dist.barrier()  # every rank starts the step together: a step's time is the slowest rank's
+    times: dict[str, float] = {}
+    memory: dict[str, dict[str, int | None]] = {}
+    loss: Any = None
+
+    saved = SavedForBackward(peer.module.parameters()) if count_saved else None
+    forward_end: dict[str, int] = {}
+
+    def forward() -> None:
+        nonlocal loss
+        if saved is None:
+            loss = peer.forward(x, y)
+            return
+        with saved:
+            loss = peer.forward(x, y)
+
+    actions: dict[str, Callable[[], None]] = {
+        "zero_grad": peer.zero_grad,
+        "forward": forward,
+        "backward": lambda: peer.backward(loss),
+        "step": peer.step,
+    }
+    for phase in PHASES:
+        probe.begin()
+        t0 = time.perf_counter()
+        actions[phase]()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[phase] = time.perf_counter() - t0
+        memory[phase] = probe.end()
+        if saved is not None and phase == "forward":
+            forward_end = {"saved": saved.nbytes, "saved_alive": saved.alive_bytes()}
+            forward_end["saved_parameters"] = saved.param_bytes
+            held = peer.memory()
+            forward_end.update({k: v for k, v in held.items() if isinstance(v, int)})
+            saved.release()
+    times["total"] = sum(times.values())
+    out = {
+        "step": step,
+        "times": times,
+        "memory": memory,
+        "loss": float(loss.detach().float().item()),
+    }
+    if saved is not None:
+        out["forward_end"] = forward_end
+    return out

@@ -1,0 +1,124 @@
+"""``zerodp bench``: zerodp against its peers on one model, data and seed, in one invocation.
+
+Configurations (``--configs``, default all): ``ddp`` (DistributedDataParallel, the reference),
+``zero0``-``zero3`` (zerodp; stage 3 "not available" where this version lacks it), ``zro``
+(torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard`` (``fully_shard`` per
+transformer block then the root, reshard_after_forward True / False), ``deepspeed1``-
+``deepspeed3`` (only where ``import deepspeed`` works: an optional extra, "not installed"
+otherwise).
+
+Each configuration runs in its own launch of torch's elastic launcher (gloo on CPU, NCCL with
+CUDA), so the peak RSS per rank is its own. Printed: step time (median, min, ratio to DDP,
+phases), bytes held per rank by category (zerodp from memory_report, peers counted from their
+tensors), peak RSS and where it goes, communication per step (zerodp measured, peers theory),
+and the largest relative difference of the final parameters to DDP's. ``--json`` writes it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from zerodp.bench.systems import KNOWN, PRECISIONS, parse_configs
+
+# argparse converters shared with `zerodp estimate` (same messages, exit status 2).
+from zerodp.cli.estimate import _non_negative_int, _positive_float, _positive_int
+from zerodp.models.gpt import PRESETS
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``bench`` subcommand on the dispatcher's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="zerodp stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed: time, memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--preset", choices=tuple(PRESETS), default="bench25m", help="model size (default bench25m)"
+    )
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        metavar="N",
+        help="local ranks (default 2 on CPU, one per GPU)",
+    )
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
+    p.add_argument("--steps", type=_positive_int, default=10, help="timed steps (default 10)")
+    p.add_argument(
+        "--warmup", type=_non_negative_int, default=2, help="untimed steps first (default 2)"
+    )
+    p.add_argument(
+        "--configs",
+        type=_configs,
+        default=list(KNOWN),
+        metavar="A,B,...",
+        help=f"'all' (default) or some of {','.join(KNOWN)}",
+    )
+    p.add_argument(
+        "--bucket-mb", type=_positive_float, default=25.0, help="bucket MiB (default 25)"
+    )
+    p.add_argument("--batch", type=_positive_int, default=4, help="sequences per rank (default 4)")
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="launch every configuration R times (default 1)",
+    )
+    p.add_argument(
+        "--threads", type=_non_negative_int, default=0, help="per rank (0: cores / ranks)"
+    )
+    p.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="AdamW(fused=True) for every system (zerodp uses it anyway when left unset)",
+    )
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", metavar="PATH", help="write the full report here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerodp.bench import BenchOptions, format_report, run_bench
+
+    options = BenchOptions(
+        configs=tuple(args.configs),
+        preset=args.preset,
+        world_size=args.world_size or _default_world_size(),
+        precision=args.precision,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch=args.batch,
+        bucket_mb=args.bucket_mb,
+        rounds=args.rounds,
+        threads=args.threads,
+        seed=args.seed,
+        fused_adamw=args.fused_adamw,
+    )
+    report = run_bench(options)
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.json}", flush=True)
+    failed = [n for n, c in report["configs"].items() if c["status"] == "failed"]
+    unequal = [
+        n
+        for n, c in report["configs"].items()
+        if c.get("parity_vs_ddp") and not c["parity_vs_ddp"]["passed"]
+    ]
+    return 1 if failed or unequal else 0
+
+
+def _default_world_size() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _configs(text: str) -> list[str]:
+    try:
+        return parse_configs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,236 @@
+"""``zerodp bench``'s pure parts: configurations, options, report building, tables, parity.
+
+No ranks are launched; the per-rank results are synthetic dicts shaped like
+``zerodp.bench.runner.rank_main``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from zerodp.bench import stats
+from zerodp.bench.options import BenchOptions
+from zerodp.bench.parity import compare_params
+from zerodp.bench.systems import BY_NAME, KNOWN, parity_tolerance, parse_configs
+from zerodp.bench.table import (
+    accounting,
+    build_report,
+    format_breakdown_table,
+    format_comm_table,
+    format_memory_table,
+    format_phase_memory_table,
+    format_report,
+    format_time_table,
+    memory_row,
+    round_times,
+    rss_summary,
+)
+
+MIB = 2**20
+PHASES = ("zero_grad", "forward", "backward", "step")
+
+
+def _step(i: int, total: float, peak: int, loss: float = 5.0) -> dict[str, Any]:
+    """One step: phases sum to ``total``; RSS 100 MiB, +10 MiB after forward, peak in backward."""
+    times = {"zero_grad": 0.0, "forward": total / 4, "backward": total / 2, "step": total / 4}
+    memory = {
+        "zero_grad": {"rss": 100 * MIB, "peak": 100 * MIB},
+        "forward": {
+            "rss": 110 * MIB,
+            "peak": 110 * MIB,
+            "heap_used": 60 * MIB,
+            "heap_free": 5 * MIB,
+        },
+        "backward": {"rss": 105 * MIB, "peak": peak},
+        "step": {"rss": 100 * MIB, "peak": 101 * MIB},
+    }
+    return {"step": i, "times": {**times, "total": total}, "memory": memory, "loss": loss}
+
+
+def _rank(
+    rank: int, totals: list[float], peak: int = 120 * MIB, comm: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    steps = [_step(i, t, peak) for i, t in enumerate(totals)]
+    held = {"parameters": 4 * MIB, "gradients": 4 * MIB, "optimizer_state": 8 * MIB}
+    # the last step also accounts at the end of its forward pass
+    steps[-1]["forward_end"] = {
+        "saved": 3 * MIB,
+        "saved_alive": 3 * MIB,
+        **held,
+        "buffers": 2 * MIB,
+    }
+    return {
+        "rank": rank,
+        "status": "ok",
+        "num_params": 1000,
+        "rss_baseline": 80 * MIB,
+        "rss_setup": 90 * MIB,
+        "peak_rss_setup": 95 * MIB,
+        "peak_resettable": True,
+        "steps": steps,
+        "memory": {
+            "parameters": 4 * MIB,
+            "gradients": 4 * MIB,
+            "optimizer_state": 8 * MIB,
+            "buffers": 2 * MIB,
+        },
+        "comm": comm,
+        "rss_end": 100 * MIB,
+    }
+
+
+def _report() -> dict[str, Any]:
+    # warmup 1: the first step of every rank is not timed
+    ddp = [[_rank(0, [9.0, 1.0, 2.0, 1.0]), _rank(1, [9.0, 1.5, 1.0, 1.0])]]
+    ledger = {"volume_elements": 2000, "elements": {"all_reduce": 1000}}
+    zero2 = [
+        [
+            _rank(0, [9.0, 0.5, 0.5, 0.5], peak=130 * MIB, comm=ledger),
+            _rank(1, [9.0, 0.5, 0.6, 0.5], peak=150 * MIB, comm=ledger),
+        ]
+    ]
+    exact = {"model_rel_diff": 0.0, "max_rel_diff": 0.0, "max_abs_diff": 0.0}
+    close = {"model_rel_diff": 2e-6, "max_rel_diff": 3e-4, "max_abs_diff": 1e-7}
+    return build_report(
+        meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 2},
+        order=["ddp", "zero2", "zero3", "deepspeed1"],
+        statuses={
+            "ddp": {"status": "ok"},
+            "zero2": {"status": "ok"},
+            "zero3": {"status": "not available", "reason": "stage 3 is not implemented"},
+            "deepspeed1": {"status": "not installed", "reason": "no deepspeed"},
+        },
+        runs={"ddp": ddp, "zero2": zero2},
+        parity={
+            "ddp": {**exact, "mismatched_names": []},
+            "zero2": {**close, "mismatched_names": []},
+        },
+    )
+
+
+def test_parse_configs() -> None:
+    assert parse_configs("ddp, zero2,fsdp2") == ["ddp", "zero2", "fsdp2"]
+    assert parse_configs("all") == list(KNOWN)
+    assert {"zero3", "zro", "fsdp2-noreshard", "deepspeed3"} <= set(KNOWN)
+    for bad, match in (("ddp,zero9", "unknown"), ("ddp,ddp", "repeated"), (" , ", "empty")):
+        with pytest.raises(ValueError, match=match):
+            parse_configs(bad)
+
+
+def test_systems_theory() -> None:
+    assert BY_NAME["fsdp2"].comm_impl == 3 and BY_NAME["fsdp2-noreshard"].comm_impl == 2
+    assert BY_NAME["zro"].comm_paper == 2 and BY_NAME["zro"].comm_impl == 3
+    assert [BY_NAME[f"zero{s}"].comm_paper for s in range(4)] == [2, 2, 2, 3]
+    assert parity_tolerance("fp32") < parity_tolerance("bf16")
+    with pytest.raises(ValueError, match="precision"):
+        parity_tolerance("fp8")
+
+
+def test_options_validate_and_serialise() -> None:
+    opts = BenchOptions(configs=("ddp", "zero1"), bucket_mb=1.5)
+    assert opts.bucket_bytes == int(1.5 * MIB)
+    assert json.loads(json.dumps(opts.to_dict()))["configs"] == ["ddp", "zero1"]
+    with pytest.raises(ValueError, match="unknown"):
+        BenchOptions(configs=("ddp", "nope"))
+    with pytest.raises(ValueError, match="precision"):
+        BenchOptions(precision="fp16")
+    with pytest.raises(ValueError, match="steps"):
+        BenchOptions(steps=0)
+
+
+def test_phase_medians_keep_order() -> None:
+    samples = [{"step": 1.0, "forward": 3.0}, {"forward": 5.0}]
+    assert list(stats.phase_medians(samples, PHASES)) == ["forward", "step"]
+    assert stats.phase_medians(samples, PHASES)["step"] == 0.5  # missing counts as 0
+
+
+def test_round_times_take_slowest_rank_after_warmup() -> None:
+    ranks = [_rank(0, [9.0, 1.0, 2.0]), _rank(1, [9.0, 1.5, 1.0])]
+    assert round_times(ranks, warmup=1) == [1.5, 2.0]
+
+
+def test_rss_summary_and_accounting() -> None:
+    r = rss_summary(_rank(0, [1.0, 1.0], peak=150 * MIB), warmup=1)
+    assert r["peak_steps"] == 150 * MIB and r["peak_where"] == "backward (step 0)"
+    assert r["forward_growth"] == 10 * MIB and r["baseline"] == 80 * MIB
+    assert r["cuda_peak"] is None and r["saved_for_backward"] == 3 * MIB
+    mem = memory_row(_rank(0, [1.0]))
+    assert mem["model_states"] == 16 * MIB
+    # 150 peak - 80 runtime - 16 model states - 2 buffers
+    assert accounting(r, mem) == 52 * MIB
+    assert memory_row({"memory": {"parameters": 1}})["model_states"] is None
+
+
+def test_build_report_is_json_with_ratios_and_statuses() -> None:
+    rep = _report()
+    json.dumps(rep)
+    ddp, z2 = rep["configs"]["ddp"], rep["configs"]["zero2"]
+    assert ddp["step_time_s"]["median"] == 1.5 and ddp["ratio_to_ddp"] == 1.0
+    assert z2["step_time_s"]["median"] == 0.5
+    assert z2["ratio_to_ddp"] == pytest.approx(0.5 / 1.5)
+    assert z2["round_ratio_to_ddp"] == pytest.approx(0.5 / 1.5)
+    assert z2["comm"]["measured_psi"] == 2.0 and ddp["comm"]["measured_psi"] is None
+    assert z2["rss_bytes"]["peak_steps"] == 150 * MIB  # the rank with the highest peak
+    assert [r["peak_steps"] for r in z2["rss_bytes_per_rank"]] == [130 * MIB, 150 * MIB]
+    assert z2["parity_vs_ddp"]["passed"] and z2["parity_vs_ddp"]["tolerance"] == 1e-5
+    assert rep["configs"]["zero3"]["status"] == "not available"
+    assert "step_time_s" not in rep["configs"]["deepspeed1"]
+
+
+def test_format_tables() -> None:
+    rep = _report()
+    time_table = format_time_table(rep).splitlines()
+    assert all(line.count("|") == time_table[0].count("|") for line in time_table)
+    assert "| ddp | DistributedDataParallel | 1500 | 1000 |" in time_table[2]
+    assert "| 0.333 | 0.33 |" in time_table[3]  # medians and the one round
+    assert time_table[2].endswith("| identical |")
+    assert "| 500 |" in time_table[3] and "2.0e-06 (3.0e-04) ok" in time_table[3]
+    assert "not available (stage 3 is not implemented)" in time_table[4]
+    assert "not installed" in time_table[5]
+    mem = format_memory_table(rep).splitlines()
+    assert len(mem) == 4  # header, rule, the two configurations that ran
+    assert "| zero2 | 4.0 | 4.0 | 8.0 | 2.0 | 16.0 | 80.0 | 150.0 | 52.0 | 3.0 | 10.0 |" in mem[3]
+    # at the end of forward: 110 = 80 runtime + 16 states + 2 buffers + 3 activations + 5 free
+    # + 4 rest;
+    # then 40 more up to the peak of 150 in backward
+    breakdown = format_breakdown_table(rep)
+    assert "| zero2 | 150.0 | 80.0 | 16.0 | 2.0 | 3.0 | 5.0 | 4.0 | 40.0 |" in breakdown
+    phases = format_phase_memory_table(rep)
+    assert "| zero2 | 80.0 | 90.0 | 95.0 | 100.0 | 110.0 | 150.0 | 101.0 | 100.0 |" in phases
+    comm = format_comm_table(rep)
+    assert "| zero2 | 2.000 | 2 | 2 |" in comm and "| ddp | - | 2 | 2 |" in comm
+    text = format_report(rep)
+    assert "preset=tiny" in text and "Communication per step" in text
+
+
+def test_failed_parity_is_flagged() -> None:
+    rep = _report()
+    rep_bad = build_report(
+        meta=rep["meta"],
+        order=["ddp", "zero2"],
+        statuses={},
+        runs={"ddp": [[_rank(0, [1.0, 1.0])]], "zero2": [[_rank(0, [1.0, 1.0])]]},
+        parity={"zero2": {"model_rel_diff": 1e-3, "max_rel_diff": 1e-2, "max_abs_diff": 1e-3}},
+    )
+    zero2 = rep_bad["configs"]["zero2"]
+    assert not zero2["parity_vs_ddp"]["passed"]
+    assert rep_bad["configs"]["ddp"]["parity_vs_ddp"] is None
+
+
+def test_compare_params() -> None:
+    ref = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([1e-3, 0.0])}
+    same = compare_params({k: v.clone() for k, v in ref.items()}, ref)
+    assert same["max_abs_diff"] == 0 and same["model_rel_diff"] == 0
+    noisy = {"w": ref["w"].clone(), "b": torch.tensor([1.5e-3, 0.0])}
+    out = compare_params(noisy, ref)
+    assert out["max_rel_diff"] == pytest.approx(0.5)  # the small tensor, relative to itself
+    assert out["model_rel_diff"] == pytest.approx(5e-4 / 2.0)  # relative to the model's max
+    assert next(iter(out["worst_parameters"])) == "b"
+    missing = compare_params({"w": ref["w"]}, ref)
+    assert missing["mismatched_names"] == ["b"] and missing["model_rel_diff"] == float("inf")
+    reshaped = compare_params({"w": ref["w"].view(2, 1), "b": ref["b"]}, ref)
+    assert reshaped["mismatched_names"] == ["w"]
