@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerodp
-from zerodp.comm.communicator import destroy, init_from_env
+from zerodp.comm.communicator import Communicator, destroy, init_from_env
+from zerodp.comm.elastic import record
 from zerodp.data.corpus import BatchSampler, decode, encode, load_corpus, train_val_split
 from zerodp.memory.estimator import dtype_bytes
 from zerodp.models.gpt import GPT, Block, generate, get_config, num_parameters
@@ -129,13 +128,14 @@ def _join_world() -> RankContext:
         device = torch.device("cpu")
         _limit_threads(local_world)
     init_from_env(timeout_s=_PG_TIMEOUT_S)
+    world = Communicator(None)
     return RankContext(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        rank=world.rank,
+        world_size=world.world_size,
         local_rank=local_rank,
         local_world_size=local_world,
         device=device,
-        backend=str(dist.get_backend()),
+        backend=world.backend,
     )
 
 
@@ -375,8 +375,7 @@ def _progress(options: TrainOptions, stage: int, ctx: RankContext, first_step: i
 def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: _Curves) -> RunResult:
     """Every rank's losses and memory report, on every rank (rank 0 uses them)."""
     memory = opt.memory_report()
-    gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, (curves.losses, memory.to_dict()))
+    gathered = opt.engine.comm.all_gather_object((curves.losses, memory.to_dict()))
     per_rank_losses = [g[0] for g in gathered]
     mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses, strict=True)]
     stats = opt.comm_stats()
