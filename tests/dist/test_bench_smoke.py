@@ -14,19 +14,13 @@ from pathlib import Path
 CONFIGS = ["ddp", "zero2", "zero3", "fsdp2"]
 TIMEOUT_S = 120  # ~10 s on 2 idle cores; generous for a loaded machine
 
-# The dispatcher with `bench` registered, whether or not cli/main.py lists it yet.
-_DRIVER = (
-    "import sys; from zerodp.cli import main; "
-    "main.SUBCOMMANDS.setdefault('bench', 'zerodp.cli.bench'); sys.exit(main.main(sys.argv[1:]))"
-)
-
 
 def test_bench_tiny_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--world-size", "2", "--steps", "2", "--warmup", "1"]
     args += ["--batch", "2", "--threads", "1", "--configs", ",".join(CONFIGS), "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, "bench", *args],
+        [sys.executable, "-m", "zerodp.cli.main", "bench", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,

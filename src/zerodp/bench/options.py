@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerodp.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.models.gpt import get_config
 
 MIB = 2**20
 
@@ -36,6 +37,7 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         parse_configs(",".join(self.configs))  # raises ValueError naming the bad names
+        get_config(self.preset)  # likewise for an unknown preset, before any rank starts
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("world_size", "steps", "batch", "rounds"):

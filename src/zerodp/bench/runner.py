@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from zerodp.bench import peers
 from zerodp.bench.options import BenchOptions
 from zerodp.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
-from zerodp.comm.communicator import destroy, init_from_env
+from zerodp.comm import Communicator, destroy, init_from_env
+from zerodp.comm.elastic import record
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
@@ -39,9 +38,9 @@ def rank_main(options: BenchOptions, name: str, workdir: str, save_params: bool)
 
     ``@record`` writes an exception's traceback where the elastic agent finds it, so the parent
     can show the rank's error instead of a bare exit code."""
-    info = _join_world(options)
+    info, comm = _join_world(options)
     try:
-        return _run(options, name, info, Path(workdir), save_params)
+        return _run(options, name, info, comm, Path(workdir), save_params)
     finally:
         destroy()
 
@@ -50,7 +49,7 @@ def params_file(workdir: Path, name: str, rank: int) -> Path:
     return workdir / f"{name}.rank{rank}.pt"
 
 
-def _join_world(options: BenchOptions) -> peers.RankInfo:
+def _join_world(options: BenchOptions) -> tuple[peers.RankInfo, Communicator]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available():
@@ -63,11 +62,17 @@ def _join_world(options: BenchOptions) -> peers.RankInfo:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(options.threads or max(1, (cores or 1) // local_world))
     init_from_env(timeout_s=_PG_TIMEOUT_S)
-    return peers.RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    comm = Communicator(None)  # barriers and rank facts; its ledger stays out of the report
+    return peers.RankInfo(comm.rank, comm.world_size, local_rank, device), comm
 
 
 def _run(
-    options: BenchOptions, name: str, info: peers.RankInfo, workdir: Path, save_params: bool
+    options: BenchOptions,
+    name: str,
+    info: peers.RankInfo,
+    comm: Communicator,
+    workdir: Path,
+    save_params: bool,
 ) -> dict[str, Any]:
     from zerodp.data.corpus import BatchSampler, load_corpus
     from zerodp.models.gpt import GPT, get_config, num_parameters
@@ -91,21 +96,21 @@ def _run(
     except peers.Unavailable as exc:
         return {**base, "status": exc.status, "reason": exc.reason}
     with peers.closing(peer):
-        dist.barrier()
+        comm.barrier()
         rss_setup = current_rss()
         probe = PhaseProbe(info.device)
         # The last step also accounts for memory at the end of its forward pass, when every
         # activation is alive (the hooks cost a Python call per saved tensor: ~1 ms).
         counted = _total(options) - 1
         steps = [
-            _step(peer, sampler, s, info.device, probe, count_saved=s == counted)
+            _step(peer, sampler, s, info.device, probe, comm.barrier, count_saved=s == counted)
             for s in range(_total(options))
         ]
         result = {
             **base,
             "status": "ok",
             "world_size": info.world_size,
-            "backend": str(dist.get_backend()),
+            "backend": comm.backend,
             "device": str(info.device),
             "threads": torch.get_num_threads(),
             "num_params": num_params,
@@ -123,7 +128,7 @@ def _run(
             path = params_file(workdir, name, info.rank)
             torch.save(peer.full_params(), path)
             result["params_file"] = str(path)
-        dist.barrier()
+        comm.barrier()
     return result
 
 
@@ -137,13 +142,14 @@ def _step(
     step: int,
     device: torch.device,
     probe: PhaseProbe,
+    barrier: Callable[[], None],
     count_saved: bool = False,
 ) -> dict[str, Any]:
     """One step: seconds and memory per phase, the loss, and with ``count_saved`` the bytes
     autograd saved for backward and the tensors held by category at the end of the forward pass
     (measured between the phases, outside their times)."""
     x, y = (t.to(device) for t in sampler.batch_at(step))
-    dist.barrier()  # every rank starts the step together: a step's time is the slowest rank's
+    barrier()  # every rank starts the step together: a step's time is the slowest rank's
     times: dict[str, float] = {}
     memory: dict[str, dict[str, int | None]] = {}
     loss: Any = None
