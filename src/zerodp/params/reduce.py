@@ -68,6 +68,7 @@ class ShardedGrads:
                 reduce_dtype or segments[0].dtype,
                 segments[0].device,
                 staging_buffers,
+                with_scratch=False,
             )
             if segments
             else None
@@ -94,12 +95,15 @@ class ShardedGrads:
     def _launch(self, seg_id: int, b: int) -> None:
         seg = self.segments[seg_id]
         lay = seg.layout
-        staging, scratch = self._acquire(lay.buckets[b].numel)
+        staging, _ = self._acquire(lay.buckets[b].numel)
         self._fill(seg_id, b, staging)
         owned = lay.bucket_shard(b, self.comm.rank)
         target = self.shard_grads[seg_id].narrow(0, lay.bucket_shard_offset(b), owned.numel)
         accumulate = self._has_data[seg_id][b]
-        out = scratch if (accumulate or self._convert[seg_id]) else target
+        # Accumulating or converting dtype: reduce in place into this rank's chunk of the
+        # staging buffer (no scratch, as in grads/reducer.py), then add / cast into the shard.
+        own = staging.narrow(0, self.comm.rank * owned.numel, owned.numel)
+        out = own if (accumulate or self._convert[seg_id]) else target
         handle = self.comm.reduce_scatter(out, staging, async_op=True)
         self._has_data[seg_id][b] = True
 
