@@ -140,6 +140,8 @@ def test_options_validate_and_serialise() -> None:
         BenchOptions(precision="fp16")
     with pytest.raises(ValueError, match="steps"):
         BenchOptions(steps=0)
+    with pytest.raises(ValueError, match="preset"):
+        BenchOptions(preset="nope")
 
 
 def test_phase_medians_keep_order() -> None:
