@@ -23,7 +23,7 @@ from typing import Any
 from zerodp.bench.systems import KNOWN, PRECISIONS, parse_configs
 
 # argparse converters shared with `zerodp estimate` (same messages, exit status 2).
-from zerodp.cli.estimate import _non_negative_int, _positive_float, _positive_int
+from zerodp.cli.argtypes import non_negative_int, positive_float, positive_int
 from zerodp.models.gpt import PRESETS
 
 
@@ -40,14 +40,14 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="local ranks (default 2 on CPU, one per GPU)",
     )
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
-    p.add_argument("--steps", type=_positive_int, default=10, help="timed steps (default 10)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     p.add_argument(
-        "--warmup", type=_non_negative_int, default=2, help="untimed steps first (default 2)"
+        "--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)"
     )
     p.add_argument(
         "--configs",
@@ -56,18 +56,16 @@ def add_parser(subparsers: Any) -> None:
         metavar="A,B,...",
         help=f"'all' (default) or some of {','.join(KNOWN)}",
     )
-    p.add_argument(
-        "--bucket-mb", type=_positive_float, default=25.0, help="bucket MiB (default 25)"
-    )
-    p.add_argument("--batch", type=_positive_int, default=4, help="sequences per rank (default 4)")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help="bucket MiB (default 25)")
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences per rank (default 4)")
     p.add_argument(
         "--rounds",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="launch every configuration R times (default 1)",
     )
     p.add_argument(
-        "--threads", type=_non_negative_int, default=0, help="per rank (0: cores / ranks)"
+        "--threads", type=non_negative_int, default=0, help="per rank (0: cores / ranks)"
     )
     p.add_argument(
         "--fused-adamw",

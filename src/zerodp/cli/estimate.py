@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from typing import Any
 
+from zerodp.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from zerodp.config import ZeroConfig
 from zerodp.memory.estimator import (
     GB,
@@ -50,17 +51,17 @@ def add_parser(subparsers: Any) -> None:
     )
     model = p.add_argument_group("model (give exactly one of --params, --gpt-*, --model)")
     model.add_argument(
-        "--params", type=_positive_float, metavar="N", help="parameter count, e.g. 7.5e9"
+        "--params", type=positive_float, metavar="N", help="parameter count, e.g. 7.5e9"
     )
     model.add_argument(
-        "--gpt-layers", type=_positive_int, metavar="L", help="GPT transformer blocks"
+        "--gpt-layers", type=positive_int, metavar="L", help="GPT transformer blocks"
     )
-    model.add_argument("--gpt-hidden", type=_positive_int, metavar="H", help="GPT hidden size")
-    model.add_argument("--gpt-vocab", type=_positive_int, metavar="V", help="GPT vocabulary size")
-    model.add_argument("--gpt-seq", type=_positive_int, metavar="S", help="GPT sequence length")
+    model.add_argument("--gpt-hidden", type=positive_int, metavar="H", help="GPT hidden size")
+    model.add_argument("--gpt-vocab", type=positive_int, metavar="V", help="GPT vocabulary size")
+    model.add_argument("--gpt-seq", type=positive_int, metavar="S", help="GPT sequence length")
     model.add_argument(
         "--gpt-batch",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="B",
         help="micro-batch per rank (default 1)",
@@ -84,32 +85,32 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--k",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="K",
         help="optimizer bytes per parameter (overrides table)",
     )
     p.add_argument(
         "--bucket-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=ZeroConfig().bucket_bytes,
         metavar="BYTES",
         help="gradient bucket size in bytes (default: ZeroConfig's)",
     )
     p.add_argument(
         "--prefetch-depth",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=1,
         metavar="D",
         help="stage-3 units gathered ahead",
     )
     p.add_argument(
         "--largest-unit-params",
-        type=_positive_float,
+        type=positive_float,
         metavar="N",
         help="parameters of the largest stage-3 gather unit (default: from --gpt-*, else 0)",
     )
     p.add_argument(
-        "--device-memory-gb", type=_positive_float, metavar="GB", help="memory per device (1e9 B)"
+        "--device-memory-gb", type=positive_float, metavar="GB", help="memory per device (1e9 B)"
     )
     p.add_argument("--activation-checkpointing", action="store_true", help="with --gpt-* only")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -324,51 +325,6 @@ def _row(world_size: int, cells: Sequence[str]) -> str:
 
 def _stage_name(stage: int | None) -> str:
     return "none" if stage is None else f"stage {stage}"
-
-
-# argparse `type=` converters: an ArgumentTypeError becomes "argument --opt: <message>", exit 2.
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
 def _world_sizes(text: str) -> list[int]:

@@ -24,6 +24,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from zerodp.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from zerodp.config import PRECISIONS, STAGES, ZeroConfig
 from zerodp.models.gpt import PRESETS
 from zerodp.train.options import (
@@ -57,7 +58,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     zero.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default fp32")
     zero.add_argument(
         "--bucket-mb",
-        type=_positive_float,
+        type=positive_float,
         default=d.bucket_mb,
         metavar="MIB",
         help="gradient bucket size in MiB (default: ZeroConfig's 32, at most 1/8 of the model)",
@@ -71,34 +72,34 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default small")
     run.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help=f"local ranks (default {DEFAULT_CPU_WORLD_SIZE} on CPU, one per GPU with CUDA)",
     )
-    run.add_argument("--steps", type=_positive_int, default=d.steps, help="default %(default)s")
+    run.add_argument("--steps", type=positive_int, default=d.steps, help="default %(default)s")
     run.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=d.batch,
         help="sequences per rank per micro-batch (default %(default)s)",
     )
     run.add_argument(
         "--grad-accum",
-        type=_positive_int,
+        type=positive_int,
         default=d.grad_accum,
         metavar="K",
         help="micro-batches per optimizer step (default %(default)s)",
     )
     run.add_argument(
         "--clip",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=d.clip,
         metavar="NORM",
         help="max global gradient norm; 0 disables clipping (default %(default)g)",
     )
     run.add_argument(
         "--lr",
-        type=_positive_float,
+        type=positive_float,
         default=d.lr,
         help="peak AdamW learning rate; warm-up then cosine decay (default %(default)g)",
     )
@@ -107,7 +108,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--out", metavar="DIR", help="report directory (default runs/train-<time>)")
     out.add_argument(
         "--sample-chars",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.sample_chars,
         metavar="N",
         help="characters to sample from the trained model; 0 disables (default %(default)s)",
@@ -120,7 +121,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     ckpt.add_argument(
         "--checkpoint-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.checkpoint_every,
         metavar="N",
         help="also save every N steps (default: only at the end)",
@@ -263,47 +264,3 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerodp.train"
     add_train_arguments(parser)
     parser.set_defaults(train_parser=parser)
     return run(parser.parse_args(argv))
-
-
-# argparse `type=` converters: an ArgumentTypeError becomes "argument --opt: <message>", exit 2.
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
