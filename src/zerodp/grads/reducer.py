@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 from zerodp.comm import Communicator, Handle
-from zerodp.grads.staging import StagingPool, zero_range, zeros_like_shard
+from zerodp.grads.staging import (
+    StagingPool,
+    reduce_scatter_into,
+    zero_range,
+    zeros_like_shard,
+)
 from zerodp.partition.layout import Range
 from zerodp.partition.segment import Segment, flat_view
 
@@ -288,21 +293,17 @@ class GradReducer:
         shard = self.shard_grads[bucket.seg]
         assert shard is not None
         target = shard.narrow(0, bucket.shard_offset, bucket.owned.numel)
-        accumulate = self._has_data[gb]
-        # Accumulating or converting dtype: reduce in place into this rank's chunk of the
-        # staging buffer (no extra scratch), then add / cast into the owned shard.
-        chunk = bucket.owned.numel
-        own = staging.narrow(0, self.comm.rank * chunk, chunk)
-        out = own if (accumulate or self._convert[bucket.seg]) else target
-        handle = self.comm.reduce_scatter(out, staging, async_op=True)
+        handle, average = reduce_scatter_into(
+            self.comm,
+            staging,
+            target,
+            accumulate=self._has_data[gb],
+            convert=self._convert[bucket.seg],
+        )
         self._has_data[gb] = True
 
         def post() -> None:
-            out.div_(self.world)
-            if accumulate:
-                target.add_(out)
-            elif out is not target:
-                target.copy_(out)
+            average()
             self._release(staging)
 
         self._inflight.append(_InFlight(gb, handle, post))

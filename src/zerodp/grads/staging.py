@@ -3,8 +3,11 @@ size and never by the model size (ZeRO-R's constant-size buffers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from zerodp.comm import Communicator, Handle
 from zerodp.partition.segment import Segment
 
 
@@ -61,3 +64,31 @@ def zeros_like_shard(seg: Segment) -> torch.Tensor:
 def zero_range(t: torch.Tensor, start: int, stop: int) -> None:
     if stop > start:
         t[start:stop].zero_()
+
+
+def reduce_scatter_into(
+    comm: Communicator,
+    staging: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    accumulate: bool,
+    convert: bool,
+) -> tuple[Handle, Callable[[], None]]:
+    """Start reducing ``staging`` across ranks into ``target`` (this rank's chunk, averaged).
+
+    Returns the handle and the action to run once it completed. When accumulating onto an
+    earlier round or converting dtype, the reduction lands in this rank's chunk of the staging
+    buffer itself (no scratch) and is then added / cast into ``target``."""
+    chunk = target.numel()
+    own = staging.narrow(0, comm.rank * chunk, chunk)
+    out = own if (accumulate or convert) else target
+    handle = comm.reduce_scatter(out, staging, async_op=True)
+
+    def average_into_target() -> None:
+        out.div_(comm.world_size)
+        if accumulate:
+            target.add_(out)
+        elif out is not target:
+            target.copy_(out)
+
+    return handle, average_into_target

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.comm import Communicator, Handle
-from zerodp.grads.staging import StagingPool, zero_range
+from zerodp.grads.staging import StagingPool, reduce_scatter_into, zero_range
 from zerodp.params.order import Op, OrderCheck
 from zerodp.partition.segment import Segment
 
@@ -99,20 +99,17 @@ class ShardedGrads:
         self._fill(seg_id, b, staging)
         owned = lay.bucket_shard(b, self.comm.rank)
         target = self.shard_grads[seg_id].narrow(0, lay.bucket_shard_offset(b), owned.numel)
-        accumulate = self._has_data[seg_id][b]
-        # Accumulating or converting dtype: reduce in place into this rank's chunk of the
-        # staging buffer (no scratch, as in grads/reducer.py), then add / cast into the shard.
-        own = staging.narrow(0, self.comm.rank * owned.numel, owned.numel)
-        out = own if (accumulate or self._convert[seg_id]) else target
-        handle = self.comm.reduce_scatter(out, staging, async_op=True)
+        handle, average = reduce_scatter_into(
+            self.comm,
+            staging,
+            target,
+            accumulate=self._has_data[seg_id][b],
+            convert=self._convert[seg_id],
+        )
         self._has_data[seg_id][b] = True
 
         def post() -> None:
-            out.div_(self.world)
-            if accumulate:
-                target.add_(out)
-            elif out is not target:
-                target.copy_(out)
+            average()
             self._release(staging)
 
         self._inflight.append(_InFlight(handle, post))
