@@ -39,6 +39,16 @@ class ZeroConfig:
     """Broadcast rank 0's module buffers (e.g. BatchNorm running stats) before every forward,
     exactly as ``DistributedDataParallel(broadcast_buffers=True)`` does."""
 
+    overlap_param_gather: bool = True
+    """Stages 1-2: issue the all-gather of the updated parameter slices per bucket at the end of
+    ``step()`` without waiting, and wait for each bucket just before the first module that
+    registers one of its parameters runs its next forward (``forward`` pre-hooks), so the
+    gather overlaps the time until then and the next forward. Results are identical. Reading a
+    parameter *outside* a forward before the next forward sees the old values of other ranks'
+    slices unless it goes through the model (``model.parameters()``, ``named_parameters()``,
+    ``state_dict()``, attribute access on the model, ``zerodp.full_parameters``, checkpoints:
+    all wait first) or ``opt.wait_params()``. ``False``: ``step()`` waits for the gather."""
+
     precision: str = "fp32"
     """Compute dtype of the model: ``fp32``, ``bf16`` or ``fp16``. Low precision keeps an fp32
     master copy of the owned shard inside the optimizer."""
@@ -103,6 +113,7 @@ class ZeroConfig:
         _check_choice("stage", self.stage, STAGES)
         _check_positive_int("bucket_bytes", self.bucket_bytes)
         _check_bool("broadcast_buffers", self.broadcast_buffers)
+        _check_bool("overlap_param_gather", self.overlap_param_gather)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         if self.loss_scale is not None:

@@ -32,8 +32,10 @@ from zerodp.optim.pieces import (
     make_pieces,
     rebind_optimizer,
 )
+from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.reduce import ShardedGrads
+from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
@@ -112,6 +114,14 @@ class ZeroEngine:
             self.reducer.register_hooks()
         self.pieces = self._build_pieces(optimizer)
         rebind_optimizer(optimizer, self.pieces, self.segments)
+        # Stage 3's persistent parameters may be read anywhere: their gather is not deferred.
+        self.param_gather = DeferredGather(
+            [s for s in self.segments if not isinstance(s, ShardedSegment)],
+            self.comm,
+            overlap=config.overlap_param_gather and self.params is None,
+        )
+        if plan.gather_params:
+            self.param_gather.register_hooks(model)
         self.optimizer = optimizer
         self.scaler = _make_scaler(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
@@ -287,6 +297,7 @@ class ZeroEngine:
             with torch.enable_grad():
                 loss = closure()
         self.finish_gradients()
+        self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
         scale = self.scaler.scale if self.scaler else None
         self.steps += 1
         if self._skip:
@@ -322,11 +333,20 @@ class ZeroEngine:
 
     def publish_params(self) -> None:
         """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
-        all-gather the owned slices (stages 1-2). Also what a checkpoint load calls after writing
+        all-gather the owned slices (stages 1-2), waited for by the next forward or reader
+        ([Note: deferred parameter gather]). Also what a checkpoint load calls after writing
         the owned masters."""
         if self.params is not None:  # [stage 3] gathered copies are stale now: release them
             self.params.reset()
-        self.masters.publish(self.comm, gather=self.plan.gather_params)
+        self.param_gather.wait_all()
+        self.masters.publish()
+        if self.plan.gather_params:
+            self.param_gather.launch()
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gather of the last step (stages 1-2): afterwards every
+        parameter holds its updated value. Idempotent and cheap when nothing is in flight."""
+        self.param_gather.wait_all()
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -356,6 +376,8 @@ class ZeroEngine:
         return sum(s.numel for s in self.segments)
 
     def remove(self) -> None:
+        self.param_gather.wait_all()
+        self.param_gather.remove_hooks()
         self.reducer.remove_hooks()
         if self.params is not None:
             self.params.remove()

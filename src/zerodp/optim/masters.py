@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from zerodp.comm import Communicator
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.segment import Segment, flat_view
 
@@ -99,20 +98,20 @@ class Masters:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def publish(self, comm: Communicator, gather: bool) -> None:
-        """Refresh the model's parameters from the masters: cast (mixed precision), then
-        all-gather the owned slices (stages 1-2)."""
+    def publish(self) -> None:
+        """Refresh the owned slices of the model's parameters from the masters (a cast, under
+        mixed precision; nothing in fp32, where the masters are the parameters). The other
+        slices arrive by all-gather ([Note: deferred parameter gather] in params/deferred.py)."""
+        if not self.separate:
+            return
         with torch.no_grad():
-            if self.separate:
-                for seg, master in zip(self.segments, self.buffers, strict=True):
-                    if isinstance(seg, ShardedSegment):
-                        seg.shard.copy_(master)
-                    elif self.sharded:
-                        self._scatter_owned(seg, master, seg.param_buffer)
-                    else:
-                        seg.param_buffer.copy_(master)
-            if gather and comm.world_size > 1:
-                self._all_gather(comm)
+            for seg, master in zip(self.segments, self.buffers, strict=True):
+                if isinstance(seg, ShardedSegment):
+                    seg.shard.copy_(master)
+                elif self.sharded:
+                    self._scatter_owned(seg, master, seg.param_buffer)
+                else:
+                    seg.param_buffer.copy_(master)
 
     def _scatter_owned(self, seg: Segment, shard: torch.Tensor, flat: torch.Tensor) -> None:
         lay = seg.layout
@@ -120,19 +119,6 @@ class Masters:
             owned = lay.bucket_shard(b, self.rank)
             src = shard.narrow(0, lay.bucket_shard_offset(b), owned.numel)
             flat_view(flat, owned).copy_(src)
-
-    def _all_gather(self, comm: Communicator) -> None:
-        handles = []
-        for seg in self.segments:
-            if isinstance(seg, ShardedSegment):
-                continue
-            lay = seg.layout
-            for b, bucket in enumerate(lay.buckets):
-                full = flat_view(seg.param_buffer, bucket)
-                owned = flat_view(seg.param_buffer, lay.bucket_shard(b, self.rank))
-                handles.append(comm.all_gather(full, owned, async_op=True))
-        for h in handles:
-            h.wait()
 
     @property
     def nbytes(self) -> int:

@@ -91,6 +91,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``backward`` and ``step``."""
         return self._engine.clip_grad_norm_(max_norm, norm_type)
 
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gather that ``step()`` left in flight (stages 1-2 with
+        ``ZeroConfig.overlap_param_gather``). Only needed before reading a parameter tensor held
+        from before the step outside a forward; reads through the model wait by themselves."""
+        self._engine.wait_params()
+
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds by category, beside the paper's formula."""
         return measure(self._engine)

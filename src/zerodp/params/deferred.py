@@ -1,0 +1,125 @@
+"""Stages 1-2: the all-gather of updated parameter slices, overlapped with the next forward.
+
+[Note: deferred parameter gather]
+After a stage 1-2 step every rank holds up-to-date values only in the slices it owns; one
+all-gather per bucket brings the other slices. Waiting for all of them inside ``step()`` leaves
+the whole gather exposed. Instead ``launch`` issues them asynchronously, in the order the next
+forward needs them, and returns; a forward pre-hook on every module that registers a trainable
+parameter waits for the buckets holding its parameters (and, gloo and NCCL running a group's
+collectives in issue order, every bucket issued before them). So the gather overlaps the time
+until the next forward and the forward itself, and each module still computes with exactly the
+values a blocking gather would have given it.
+
+Issue order. Buckets are laid out in reversed registration order (the order backward produces
+gradients, see ``ZeroEngine._build_segments``), so forward, which runs roughly in registration
+order, needs the *last* bucket first: buckets are issued last to first. A wrong guess costs only
+overlap, never correctness, since every module waits for what it reads.
+
+Everything else that reads parameters or writes the owned slices waits for the whole gather
+first (``wait_all``): the next ``step`` (the optimizer writes the owned slices a gather may
+still be sending), checkpoints, ``full_parameters``, and reads through the model
+(``ZeroModule``: ``parameters()``, ``named_parameters()``, ``state_dict()``, attribute access).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from zerodp.comm import Communicator, Handle
+from zerodp.partition.segment import Segment, flat_view
+
+
+class DeferredGather:
+    """Per-bucket all-gathers of the owned slices of plain (unsharded) segments."""
+
+    def __init__(self, segments: list[Segment], comm: Communicator, *, overlap: bool) -> None:
+        self.segments = segments
+        self.comm = comm
+        self.overlap = overlap
+        self.order = [
+            (s, b)
+            for s in reversed(range(len(segments)))
+            for b in reversed(range(len(segments[s].layout.buckets)))
+        ]
+        self._handles: list[Handle] = []
+        self._waited = 0
+        self._hooks: list[Any] = []
+        self.in_forward = False  # inside the root module's forward
+
+    @property
+    def pending(self) -> bool:
+        return self._waited < len(self._handles)
+
+    def launch(self) -> None:
+        """All-gather every bucket's owned slice into the full buffers (after a step)."""
+        self.wait_all()  # never two generations in flight
+        self._handles = []
+        self._waited = 0
+        if self.comm.world_size == 1:
+            return
+        rank = self.comm.rank
+        for s, b in self.order:
+            seg = self.segments[s]
+            lay = seg.layout
+            full = flat_view(seg.param_buffer, lay.buckets[b])
+            owned = flat_view(seg.param_buffer, lay.bucket_shard(b, rank))
+            self._handles.append(self.comm.all_gather(full, owned, async_op=True))
+        if not self.overlap:
+            self.wait_all()
+
+    def wait_through(self, position: int) -> None:
+        """Wait for the buckets issued at ``position`` and before."""
+        stop = min(position + 1, len(self._handles))
+        while self._waited < stop:
+            self._handles[self._waited].wait()
+            self._waited += 1
+
+    def wait_all(self) -> None:
+        self.wait_through(len(self._handles) - 1)
+
+    # -- forward pre-hooks ---------------------------------------------------------------------
+
+    def register_hooks(self, model: nn.Module) -> None:
+        """A forward pre-hook on every module that registers a parameter of these segments,
+        waiting for the last-issued bucket among its parameters' buckets."""
+        if not self.overlap or self.comm.world_size == 1:
+            return
+        position = self._positions()
+        self._hooks.append(model.register_forward_pre_hook(self._enter, prepend=True))
+        self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
+        for module in model.modules():
+            needed = [position[id(p)] for p in module._parameters.values() if id(p) in position]
+            if needed:
+                self._hooks.append(module.register_forward_pre_hook(self._hook(max(needed))))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.in_forward = True
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.in_forward = False
+
+    def _positions(self) -> dict[int, int]:
+        """For each parameter, the last issue position among the buckets it spans."""
+        where = {sb: i for i, sb in enumerate(self.order)}
+        out: dict[int, int] = {}
+        for s, seg in enumerate(self.segments):
+            for slot, p in enumerate(seg.params):
+                buckets = seg.layout.slot_buckets[slot]
+                if buckets:  # an empty parameter lies in no bucket
+                    out[id(p)] = max(where[(s, b)] for b in buckets)
+        return out
+
+    def _hook(self, position: int) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._waited <= position and self._handles:
+                self.wait_through(position)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
