@@ -235,6 +235,8 @@ class ZeroEngine:
                 "loss.backward() (the only change fp16 needs in the training loop)"
             )
         self.reducer.finish()
+        if isinstance(self.reducer, GradReducer):
+            self.reducer.adopt_recorded_order()  # once ([Note: launch order])
         views = self._owned_grads()
         nonfinite = self.plan.check_finite and not all(
             bool(torch.isfinite(g).all()) for g in self.masters.grads()

@@ -1,5 +1,8 @@
-"""Stages 1-2: the parameter all-gather deferred into the next forward (issue 5,
-[Note: deferred parameter gather]): identical results, waits per module, reads wait."""
+"""Overlap of communication with computation (issue 5).
+
+Stages 1-2: the parameter all-gather deferred into the next forward ([Note: deferred parameter
+gather]): identical results, waits per module, reads wait. Stages 0-2: gradient buckets launched
+in the order backward completes them ([Note: launch order])."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zerotest import batches, build, rank_world
+from zerotest import assert_close, batches, build, make_pair, rank_world, reference_step
 
 import zerodp
 
@@ -137,3 +140,55 @@ def test_forward_waits_bucket_by_bucket(world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reads_through_the_model_wait(world, stage):
     world(2).run(case_reads_wait, stage, timeout=TIMEOUT)
+
+
+class Backwards(nn.Module):
+    """Layers registered 0..5 but run 5..0: reversed registration order (the first launch
+    order) is exactly the reverse of the order backward produces gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def case_launch_order(stage: int) -> list[int]:
+    """Per step, buckets launched when layer 4's gradient is ready (layer 5's, in the first
+    buckets of the layout, comes last). Parity with an unsharded reference throughout."""
+    rank, world = rank_world()
+    pair = make_pair(
+        Backwards,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        zerodp.ZeroConfig(stage=stage, bucket_bytes=256),
+    )
+    reducer = pair.opt.engine.reducer
+    launched: list[int] = []
+    pair.model.layers[4].weight.register_post_accumulate_grad_hook(
+        lambda p: launched.append(reducer._next)
+    )
+    for step in range(3):
+        data = batches(step, world, 4, [(WIDTH,), (WIDTH,)])
+
+        def loss(m: nn.Module, r: int, data=data) -> torch.Tensor:
+            x, y = data[r]
+            return F.mse_loss(m(x), y)
+
+        loss(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        reference_step(pair, loss, world)
+        assert_close(pair.model, pair.ref, what=f"stage {stage} step {step}")
+    return launched
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_buckets_launch_in_recorded_order(world, stage):
+    for launched in world(2).run(case_launch_order, stage, timeout=TIMEOUT):
+        # Step 1: the layout's order waits for layer 5's bucket, so nothing has launched yet.
+        # Then rank 0's recorded order: every bucket of layers 0-3 is out before layer 4's.
+        assert launched[0] == 0
+        assert launched[1] == launched[2] >= 3

@@ -1,10 +1,18 @@
 """Bucketed gradient reduction that overlaps backward.
 
 A post-accumulate-grad hook on every trainable parameter counts down its buckets; a bucket is
-launched (asynchronously) when all its parameters have their gradient **and** every earlier
-bucket was launched. The fixed launch order is what keeps ranks' collectives matched when a
-parameter is unused on some ranks: a bucket that never completes is launched, in order, by a
-callback at the end of backward (or by ``finish`` when a rank ran no backward at all).
+launched (asynchronously) when all its parameters have their gradient **and** every bucket
+before it in the launch order was launched. The fixed launch order is what keeps ranks'
+collectives matched when a parameter is unused on some ranks: a bucket that never completes is
+launched, in order, by a callback at the end of backward (or by ``finish`` when a rank ran no
+backward at all).
+
+[Note: launch order] The first launch order is the layout's (reversed registration order, a
+guess at the order backward produces gradients). During the first synchronised backward the
+reducer records the order in which buckets actually complete; ``adopt_recorded_order`` (called
+by the engine once, at the first step) makes rank 0's record the launch order of every rank from
+then on, as DDP rebuilds its buckets after the first iteration. Which parameters share a bucket
+(and so which slice each rank owns) does not change: the optimizer state is already laid out.
 
 Three modes, one per way of holding gradients:
 
@@ -111,6 +119,8 @@ class GradReducer:
             else None
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
+        self.order = list(range(len(self.buckets)))  # launch order ([Note: launch order])
+        self._recorded: list[int] | None = []  # completion order seen; None once adopted
         self._inflight: deque[_InFlight] = deque()
         self._has_data = [False] * len(self.buckets)
         self._rounds = 0  # reduction rounds launched since the last finish()
@@ -172,6 +182,8 @@ class GradReducer:
 
     def _reset_backward(self) -> None:
         self._pending = [len(b.slots) for b in self.buckets]
+        # Stage 2: buckets of each parameter not copied to staging yet; its .grad is freed at 0.
+        self._unstaged = [[len(b) for b in seg] for seg in self._slot_buckets]
         self._next = 0
         self._callback_queued = False
 
@@ -201,8 +213,11 @@ class GradReducer:
             return
         for gb in self._slot_buckets[seg][slot]:
             self._pending[gb] -= 1
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
+            if self._pending[gb] == 0 and self._recorded is not None:
+                self._recorded.append(gb)
+        order = self.order
+        while self._next < len(order) and self._pending[order[self._next]] == 0:
+            self._launch(order[self._next], first=self._next == 0)
             self._next += 1
 
     def _adopt_grad(self, seg: int, slot: int, param: torch.Tensor) -> None:
@@ -222,14 +237,27 @@ class GradReducer:
         self._reset_backward()
 
     def _launch_remaining(self) -> None:
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        while self._next < len(self.order):
+            self._launch(self.order[self._next], first=self._next == 0)
             self._next += 1
+
+    def adopt_recorded_order(self) -> None:
+        """Launch buckets from now on in the order they completed in the first backward on rank
+        0 (buckets that never completed keep their relative order, last). Call on every rank,
+        once, at the same point (a broadcast)."""
+        if self._recorded is None:
+            return
+        seen = list(dict.fromkeys(self._recorded))
+        mine = seen + [gb for gb in range(len(self.buckets)) if gb not in set(seen)]
+        if self.world > 1:
+            mine = list(self.comm.broadcast_object(mine, src=0))
+        self.order = mine
+        self._recorded = None
 
     # -- launching -----------------------------------------------------------------------------
 
-    def _launch(self, gb: int) -> None:
-        if gb == 0:
+    def _launch(self, gb: int, *, first: bool) -> None:
+        if first:
             self._rounds += 1
         bucket = self.buckets[gb]
         if self.mode is ReduceMode.ALL_REDUCE:
@@ -324,8 +352,9 @@ class GradReducer:
                 dst.zero_()
             else:
                 dst.copy_(grad.reshape(-1).narrow(0, part.start - slot.flat.start, part.numel))
-                if part.stop == slot.flat.stop:
-                    seg.params[s].grad = None
+            self._unstaged[bucket.seg][s] -= 1
+            if self._unstaged[bucket.seg][s] == 0:  # buckets may launch in any order
+                seg.params[s].grad = None
             cursor = part.stop
         zero_range(staging, cursor - bucket.flat.start, bucket.flat.numel)
 
