@@ -100,7 +100,7 @@ def launch_config(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from zerodp.bench.runner import rank_main
-    from zerodp.train.launch import _NOISY_LOGGERS, _quiet, describe_failure
+    from zerodp.train.agent import NOISY_LOGGERS, describe_failure, quiet_loggers
 
     run_id = f"zerodp-bench-{name}-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
@@ -118,7 +118,7 @@ def launch_config(
         logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL),
     )
     try:
-        with _quiet(_NOISY_LOGGERS):
+        with quiet_loggers(NOISY_LOGGERS):
             returned = elastic_launch(config, rank_main)(options, name, str(tmp), save_params)
     except ChildFailedError as exc:
         rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))

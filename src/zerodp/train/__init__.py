@@ -10,7 +10,11 @@ this on every node (global rank 0 writes the report)::
 ``python -m zerodp.train`` takes the same options as ``zerodp train``; outside torchrun it
 launches local ranks exactly as ``zerodp train`` does.
 
-Modules: ``options`` (the picklable run options), ``loop`` (one rank's training), ``report``
-(report.json / report.png / terminal summary, pure functions), ``launch`` (local launching and
-failure reporting). Import them directly; this package imports nothing heavy on its own.
+Modules: ``options`` (the picklable run options); one rank's training: ``loop`` (the entry
+point and one stage), ``world`` (joining the process group), ``steps`` (the optimizer steps and
+their curves), ``checkpoints`` (resume and save); the report, pure functions: ``report``
+(report.json, and every report name re-exported), ``result`` (``RunResult``), ``theory`` (the
+paper's memory and traffic), ``summary`` (terminal text), ``figures`` (report.png); launching:
+``launch`` (local launching and failure reporting), ``agent`` (what it shares with ``zerodp
+bench``). Import them directly; this package imports nothing heavy on its own.
 """

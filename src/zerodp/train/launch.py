@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import multiprocessing
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zerodp.train.agent import NOISY_LOGGERS, describe_failure, quiet_loggers
 from zerodp.train.options import ErrorNote, TrainOptions
 
-# Loggers that would print each failing rank's traceback a second time (ours is formatted
-# below) and the agent's routine shutdown warnings.
-_NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "zerodp.train.loop")
 _MAX_TRACEBACKS = 2  # distinct errors shown in full; further failing ranks get one line each
 
@@ -58,7 +54,7 @@ def launch_local(options: TrainOptions, nproc: int) -> int:
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "agent"))),
         )
         try:
-            with _quiet(_NOISY_LOGGERS):
+            with quiet_loggers(NOISY_LOGGERS):
                 elastic_launch(config, rank_main)(options, str(error_dir))
         except ChildFailedError as exc:
             notes = read_error_notes(error_dir)
@@ -82,19 +78,6 @@ def _start_method() -> str:
     # Takes effect when the server starts, i.e. at the first launch of this process.
     ctx.set_forkserver_preload(list(_PRELOAD))
     return "forkserver"
-
-
-@contextlib.contextmanager
-def _quiet(names: tuple[str, ...]) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def read_error_notes(directory: str | Path) -> list[ErrorNote]:
@@ -152,21 +135,6 @@ def format_child_failure(failures: dict[int, Any]) -> str:
         if trace:
             lines.append(trace.rstrip())
     return "\n".join(lines)
-
-
-def describe_failure(failure: Any) -> tuple[str, str]:
-    """(one-line error, traceback) of one ``ProcessFailure``; either may be all we know."""
-    message = getattr(failure, "message", "")
-    if isinstance(message, dict):  # from the rank's error file, written by @record
-        text = str(message.get("message", ""))
-        trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
-        return text or "error (no message)", trace
-    exitcode = getattr(failure, "exitcode", None)
-    signal_name = getattr(failure, "signal_name", None)
-    how = f"exit code {exitcode}"
-    if exitcode is not None and exitcode < 0 and callable(signal_name):
-        how = f"killed by {signal_name()}"
-    return f"{how}: {message}" if message else how, ""
 
 
 def _timestamp(failure: Any) -> int:

@@ -13,50 +13,45 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
-import platform
-import socket
-import sys
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 
 import zerodp
-from zerodp.comm.communicator import Communicator, destroy, init_from_env
+from zerodp.comm.communicator import destroy
 from zerodp.comm.elastic import record
-from zerodp.data.corpus import BatchSampler, decode, encode, load_corpus, train_val_split
+from zerodp.data.corpus import decode, encode, load_corpus
 from zerodp.memory.estimator import dtype_bytes
 from zerodp.models.gpt import GPT, Block, generate, get_config, num_parameters
-from zerodp.module import ZeroModule
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.plan import DTYPES
-from zerodp.train.options import FAIL_AT_ENV, ErrorNote, TrainOptions, parse_fail_at
-from zerodp.train.report import RunResult, build_report, format_summary, write_report
+from zerodp.train.checkpoints import resume
+from zerodp.train.options import ErrorNote, TrainOptions
+from zerodp.train.report import build_report, write_report
+from zerodp.train.result import RunResult
+from zerodp.train.steps import Curves, lr_factor, run_steps
+from zerodp.train.summary import format_summary
+from zerodp.train.world import RankContext, environment, join_world
+
+# Re-exported: callers and tests import these from here, the rank's entry module.
+__all__ = [
+    "SAMPLE_PROMPT",
+    "RankContext",
+    "environment",
+    "lr_factor",
+    "rank_main",
+    "resolve_out_dir",
+]
 
 SAMPLE_PROMPT = "def "
 """The corpus is Python source: a function definition is a prompt whose continuation shows at
 a glance whether the model learned anything."""
-
-_PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
-
-
-@dataclass(frozen=True, slots=True)
-class RankContext:
-    """Where this process sits in the world."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    backend: str
 
 
 @record
@@ -72,7 +67,7 @@ def rank_main(options: TrainOptions, error_dir: str | None = None) -> str | None
 
 
 def _rank_main(options: TrainOptions) -> str | None:
-    ctx = _join_world()
+    ctx = join_world()
     out_dir = None
     if ctx.rank == 0:
         out_dir = resolve_out_dir(options.out)
@@ -115,43 +110,6 @@ def resolve_out_dir(out: str | None, now: datetime.datetime | None = None) -> Pa
     return Path("runs") / f"train-{stamp}"
 
 
-# -- set-up -----------------------------------------------------------------------------------
-
-
-def _join_world() -> RankContext:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        _limit_threads(local_world)
-    init_from_env(timeout_s=_PG_TIMEOUT_S)
-    world = Communicator(None)
-    return RankContext(
-        rank=world.rank,
-        world_size=world.world_size,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        device=device,
-        backend=world.backend,
-    )
-
-
-def _limit_threads(local_world_size: int) -> None:
-    """Share the cores between the ranks of this node. Ranks each using every core (torch's
-    default) oversubscribe the CPU and run several times slower. An explicit OMP_NUM_THREADS
-    (torchrun sets 1) is left alone."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
-
-
 # -- one stage --------------------------------------------------------------------------------
 
 
@@ -176,8 +134,8 @@ def _train_stage(
             return RunResult.skipped(stage, str(exc))
         raise
     _check_precision(model, options.precision)
-    first_step = _resume(options, model, opt)
-    curves = _run_steps(options, stage, ctx, data, model, opt, first_step)
+    first_step = resume(options, model, opt)
+    curves = run_steps(options, stage, ctx, data, model, opt, first_step)
     result = _gather_result(stage, ctx, opt, curves)
     result.largest_unit_bytes = largest_unit * result.element_size
     result.sample_prompt = SAMPLE_PROMPT
@@ -206,173 +164,7 @@ def _largest_unit_params(model: GPT) -> int:
     return max(block, num_parameters(model) - sum(num_parameters(b) for b in blocks))
 
 
-# -- checkpoints ------------------------------------------------------------------------------
-
-
-def _resume(options: TrainOptions, model: nn.Module, opt: ZeroOptimizer) -> int:
-    """Load ``--resume`` (on every rank) and return the step to continue from; 0 without it.
-
-    The data and the learning rate are pure functions of the step number, so the step restored
-    with the checkpoint is all the loop needs to continue exactly where the saved run was.
-    """
-    if options.resume is None:
-        return 0
-    from zerodp.checkpoint import load_checkpoint
-
-    extra = load_checkpoint(options.resume, model, opt)
-    saved_seed = extra.get("seed") if isinstance(extra, dict) else None
-    if saved_seed is not None and saved_seed != options.seed:
-        raise ValueError(
-            f"the checkpoint {options.resume} was trained with --seed {saved_seed}: resume with "
-            "the same seed, or the data stream would not continue where it stopped"
-        )
-    step = opt.engine.steps
-    if step >= options.steps:
-        raise ValueError(
-            f"the checkpoint {options.resume} is at step {step}, not before --steps "
-            f"{options.steps}: --steps is the total to reach, so raise it to train further"
-        )
-    return step
-
-
-def _maybe_save(options: TrainOptions, model: nn.Module, opt: ZeroOptimizer, done: int) -> None:
-    """Save after ``done`` steps when ``--checkpoint-every`` says so, and after the last."""
-    if options.checkpoint_dir is None:
-        return
-    every = options.checkpoint_every
-    if done == options.steps or (every and done % every == 0):
-        from zerodp.checkpoint import save_checkpoint
-
-        save_checkpoint(options.checkpoint_dir, model, opt, extra={"seed": options.seed})
-
-
-# -- the steps --------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Curves:
-    """What this rank records step by step."""
-
-    first_step: int
-    tokens_per_step: int
-    losses: list[float] = field(default_factory=list)
-    norms: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    volumes: list[int] = field(default_factory=list)
-
-
-def _run_steps(
-    options: TrainOptions,
-    stage: int,
-    ctx: RankContext,
-    data: torch.Tensor,
-    model: nn.Module,
-    opt: ZeroOptimizer,
-    first_step: int,
-) -> _Curves:
-    train, _ = train_val_split(data)
-    seq_len = cast(GPT, model).config.seq_len
-    sampler = BatchSampler(train, options.batch, seq_len, options.seed, ctx.rank, ctx.world_size)
-    tokens = ctx.world_size * options.batch * options.grad_accum * seq_len
-    curves = _Curves(first_step=first_step, tokens_per_step=tokens)
-    fail_at = parse_fail_at(os.environ.get(FAIL_AT_ENV))
-    with _progress(options, stage, ctx, first_step) as bar:
-        for step in range(first_step, options.steps):
-            if fail_at == (ctx.rank, step):
-                raise RuntimeError(
-                    f"injected failure on rank {ctx.rank} at step {step} ({FAIL_AT_ENV})"
-                )
-            start = time.perf_counter()
-            lr = options.lr * lr_factor(step, options.steps, options.warmup_steps)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss, norm = _train_step(options, step, ctx, model, opt, sampler)
-            curves.times.append(time.perf_counter() - start)
-            curves.losses.append(loss)
-            curves.lrs.append(lr)
-            if norm is not None:
-                curves.norms.append(norm)
-            stats = opt.comm_stats()
-            curves.volumes.append(stats.volume if stats is not None else 0)
-            _maybe_save(options, model, opt, step + 1)
-            if bar is not None:
-                bar.set_postfix(
-                    loss=f"{loss:.3f}", tok_s=f"{tokens / curves.times[-1]:,.0f}", refresh=False
-                )
-                bar.update(1)
-    return curves
-
-
-def _train_step(
-    options: TrainOptions,
-    step: int,
-    ctx: RankContext,
-    model: nn.Module,
-    opt: ZeroOptimizer,
-    sampler: BatchSampler,
-) -> tuple[float, float | None]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
-    total = torch.zeros((), device=ctx.device)
-    for micro in range(options.grad_accum):
-        x, y = sampler.batch_at(step * options.grad_accum + micro)
-        last = micro == options.grad_accum - 1
-        # Only the last backward of the step communicates; the others accumulate locally.
-        sync = contextlib.nullcontext() if last else cast(ZeroModule, model).no_sync()
-        with sync:
-            _, loss = model(x.to(ctx.device), y.to(ctx.device))
-            assert loss is not None
-            _backward(opt, loss / options.grad_accum)
-        total += loss.detach()
-    norm = float(opt.clip_grad_norm_(options.clip)) if options.clip > 0 else None
-    opt.step()
-    opt.zero_grad()
-    return float(total) / options.grad_accum, norm
-
-
-def _backward(opt: ZeroOptimizer, loss: torch.Tensor) -> None:
-    # ZeroOptimizer.backward multiplies by the loss scale under fp16 (where it is required);
-    # a version without it only knows plain backward.
-    backward = getattr(opt, "backward", None)
-    if backward is None:
-        loss.backward()
-    else:
-        backward(loss)
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``: the usual
-    GPT schedule, as a pure function of the step (so a resumed run continues it exactly)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-@contextlib.contextmanager
-def _progress(options: TrainOptions, stage: int, ctx: RankContext, first_step: int) -> Any:
-    """A tqdm bar (step, loss, tokens/s, ETA) on rank 0; ``None`` elsewhere."""
-    if ctx.rank != 0:
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=options.steps,
-        initial=first_step,
-        desc=f"stage {stage}",
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=0.5,
-    )
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: _Curves) -> RunResult:
+def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Curves) -> RunResult:
     """Every rank's losses and memory report, on every rank (rank 0 uses them)."""
     memory = opt.memory_report()
     gathered = opt.engine.comm.all_gather_object((curves.losses, memory.to_dict()))
@@ -420,9 +212,6 @@ def _sample(model: nn.Module, options: TrainOptions, ctx: RankContext) -> str:
     return decode([t if t < 256 else ord("?") for t in tokens])
 
 
-# -- report -----------------------------------------------------------------------------------
-
-
 def _write_and_print(
     options: TrainOptions, ctx: RankContext, results: list[RunResult], out_dir: Path
 ) -> None:
@@ -431,18 +220,3 @@ def _write_and_print(
     json_path, png_path = write_report(report, out_dir)
     print(format_summary(report))
     print(f"\nReport: {json_path} and {png_path}", flush=True)
-
-
-def environment(ctx: RankContext, seq_len: int) -> dict[str, Any]:
-    return {
-        "world_size": ctx.world_size,
-        "nodes": max(1, ctx.world_size // max(1, ctx.local_world_size)),
-        "backend": ctx.backend,
-        "device": ctx.device.type,
-        "seq_len": seq_len,
-        "torch": torch.__version__,
-        "zerodp": zerodp.__version__,
-        "python": platform.python_version(),
-        "host": socket.gethostname(),
-        "threads_per_rank": torch.get_num_threads(),
-    }
