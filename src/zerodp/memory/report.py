@@ -60,6 +60,61 @@ class MemoryReport:
         d["model_states"] = self.model_states
         return d
 
+    def table(self) -> str:
+        """The report as text: one line per category, in bytes and MiB, with the paper's
+        formula beside the model states (``str(report)`` is the same)."""
+        theory = asdict(self.theory) if self.theory is not None else {}
+        head = (
+            f"rank {self.rank} of {self.world_size}, stage {self.stage}, {self.precision}: "
+            f"Ψ = {self.num_params:,} trainable parameters ({self.padded_numel:,} stored)"
+        )
+        rows: list[tuple[str, int, str]] = [
+            ("parameters", self.parameters, _theory_note(theory.get("parameters"))),
+            ("gradients", self.gradients, _theory_note(theory.get("gradients"))),
+            (
+                "optimizer state",
+                self.optimizer_state,
+                _theory_note(theory.get("optimizer_state"))
+                + f"; fp32 masters {self.master_parameters:,} B"
+                f", step counters {self.optimizer_scalar_bytes:,} B",
+            ),
+            ("model states", self.model_states, _theory_note(self._theory_total(theory))),
+            (
+                "comm buffers",
+                self.comm_buffers,
+                "gradient staging pool: 2 buckets in the reduce dtype, set by bucket_bytes, "
+                "not by the model size"
+                if self.comm_buffers
+                else "none: gradients are reduced in place in their buffer",
+            ),
+            ("frozen parameters", self.frozen_parameters, "replicated"),
+            ("step transient", self.step_transient, "fp32 owned gradient during step()"),
+        ]
+        if self.stage == 3:
+            rows += [
+                ("persistent params", self.persistent_parameters, "replicated, in parameters"),
+                ("gathered now", self.gathered_now, "unit parameters gathered"),
+                ("gathered peak", self.gathered_peak, f"bound {self.gathered_bound:,} B"),
+                ("largest unit", self.largest_unit, "gathered"),
+            ]
+        lines = [head]
+        for label, value, note in rows:
+            lines.append(f"  {label:<18}{value:>16,} B {value / 2**20:>10.3f} MiB   {note}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    @staticmethod
+    def _theory_total(theory: dict[str, Any]) -> float | None:
+        if not theory:
+            return None
+        return float(theory["parameters"] + theory["gradients"] + theory["optimizer_state"])
+
+
+def _theory_note(value: float | None) -> str:
+    return "" if value is None else f"theory {value:,.0f} B"
+
 
 def measure(engine: ZeroEngine) -> MemoryReport:
     state_bytes, scalar_bytes = _optimizer_state_bytes(engine.optimizer)
