@@ -84,12 +84,20 @@ class ZeroConfig:
     unit_classes: tuple[str, ...] = ()
     """Stage 3: class names of the modules whose parameters are gathered together (*units*),
     e.g. ``("Block",)``. Empty: every element of an ``nn.ModuleList`` / ``nn.Sequential`` /
-    ``nn.ModuleDict`` with at least ``unit_min_numel`` parameter elements (the repeated layers);
-    everything else is in the root unit. ``zerodp.initialize(unit_policy=...)`` overrides both."""
+    ``nn.ModuleDict`` with at least ``unit_min_numel`` parameter elements (the repeated layers)
+    and every large leaf child of the root (``leaf_unit_min_numel``); everything else is in the
+    root unit. ``zerodp.initialize(unit_policy=...)`` overrides both."""
 
     unit_min_numel: int = 2**14
     """Stage 3, default unit policy: a container element with fewer parameter elements than this
     stays in its parent's unit (tiny units cost a collective each for little memory)."""
+
+    leaf_unit_min_numel: int = 2**20
+    """Stage 3, default unit policy: a leaf module directly under the root (no children, e.g. a
+    token embedding or an LM head) owning at least this many parameter elements is a unit of
+    its own (*attached*) instead of part of the root unit, which stays gathered for the whole
+    step. Reading its parameters while the root is gathered (the root's forward, the loss)
+    gathers it on demand. Set it above the model's size to keep such modules in the root."""
 
     prefetch_depth: int = 1
     """Stage 3: how many units ahead to all-gather while a unit computes (forward and backward).
@@ -143,6 +151,7 @@ class ZeroConfig:
                 f"got {self.unit_classes!r}"
             )
         _check_non_negative_int("unit_min_numel", self.unit_min_numel)
+        _check_non_negative_int("leaf_unit_min_numel", self.leaf_unit_min_numel)
         _check_non_negative_int("prefetch_depth", self.prefetch_depth)
         _check_non_negative_int("persist_numel", self.persist_numel)
         _check_bool("check_unit_order", self.check_unit_order)

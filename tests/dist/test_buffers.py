@@ -80,21 +80,7 @@ def expected_comm_buffers(stage: int, precision: str) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize(
-    "stage",
-    [
-        0,
-        1,
-        2,
-        pytest.param(
-            3,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="stage-3 staging pool = 2 x largest unit until chunked reduce-scatter",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_buffers_do_not_grow_with_the_model(world, stage, precision):
     runs = {
         shape: world(WORLD).run(case_buffers, stage, precision, shape, timeout=TIMEOUT)

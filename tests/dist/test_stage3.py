@@ -220,6 +220,104 @@ def test_gpt_default_units_traffic_and_bound(world):
         assert r["gathered_peak"] <= r["gathered_bound"]
 
 
+def _gpt_attached(tied: bool, width: int, bucket_bytes: int, steps: int) -> dict:
+    """The tiny GPT with its 256 x width embedding (and untied head) as attached units, and
+    reduce-scatters in bucket_bytes chunks; the loss also reads wte.weight outside any forward."""
+    from zerodp.models.gpt import GPT, get_config
+    from zerodp.params.reduce import chunk_plan
+
+    rank, world = rank_world()
+    gcfg = get_config("tiny", tie_embeddings=tied, n_embd=width)
+    torch.manual_seed(0)
+    ref = GPT(gcfg)
+    torch.manual_seed(0)
+    model = GPT(gcfg)
+    ref_opt = sgd_momentum(list(ref.parameters()))  # SGD: see case_gpt_traffic
+    cfg = zerodp.ZeroConfig(stage=3, leaf_unit_min_numel=256 * width, bucket_bytes=bucket_bytes)
+    model, opt = zerodp.initialize(model, sgd_momentum(list(model.parameters())), cfg)
+
+    def loss_of(m: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        return m(t[:, :-1], t[:, 1:])[1] + 1e-2 * m.wte.weight.square().mean()
+
+    sharded = opt.engine.params
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for step in range(steps):
+        tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
+        (sum(loss_of(ref, t) for t in tokens) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        sharded.trace.events = []
+        loss_of(model, tokens[rank]).backward()
+        events, sharded.trace.events = sharded.trace.events, None
+        opt.step()
+        opt.zero_grad()
+        report = opt.memory_report().to_dict()  # before the comparison gathers everything
+        worst = max(worst, assert_close(model, ref, what=f"GPT step {step}"))
+        sharded.gatherer.reset_peak()
+    stats = opt.comm_stats()
+    bucket = sharded.plan.bucket_numel(torch.float32)
+    return {
+        "worst": worst,
+        "labels": [u.label for u in sharded.units],
+        "attached": [u.spec.attached for u in sharded.units],
+        "units": [sum(s.layout.padded_numel for s in u.segments) for u in sharded.units],
+        "runs": sum(len(chunk_plan(s.layout, bucket)) for u in sharded.units for s in u.segments),
+        "elements": stats.elements,
+        "calls": stats.calls,
+        "report": report,
+        "events": events,
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt_attached_units_and_reduce_chunks(world, tied):
+    """Attached units (the embedding, the untied head) and bucket-sized reduce-scatter chunks:
+    the same training as an unsharded model. The head (read in the root's forward) and wte
+    (read in the loss) are gathered on demand and held to the end of backward, like the root:
+    one all-gather each in backward less. The reduce-scatters move exactly the units, in
+    runs of at most one bucket, so the staging pool is 2 buckets, not 2 x the largest unit."""
+    out = world(2).run(_gpt_attached, tied, 64, 4096, 2, timeout=TIMEOUT)
+    for o in out:
+        assert o["worst"] <= 1e-6
+        heads = [] if tied else ["lm_head"]
+        assert o["labels"] == ["<root GPT>", "wte", "blocks.0", "blocks.1", *heads]
+        assert o["attached"] == [False, True, False, False] + [True] * len(heads)
+        root, wte, *rest = o["units"]
+        blocks, head = rest[:2], sum(rest[2:])
+        assert o["elements"] == {
+            "all_gather": root + 2 * wte + head + 2 * sum(blocks),
+            "reduce_scatter": sum(o["units"]),
+        }
+        assert o["calls"]["reduce_scatter"] == o["runs"] > len(o["units"])  # units > a bucket
+        r = o["report"]
+        assert r["comm_buffers"] == 2 * 4096  # two staging buffers of one bucket
+        assert min(blocks) * 4 > 4096
+        ev = o["events"]
+        # wte: its own forward, then read on demand (the tied head in the root's forward, or
+        # the loss) and held to the end of backward (its embedding backward comes last).
+        assert ev.index(("release", "wte")) < ev.index(("read", "wte"))
+        assert ev.index(("read", "wte")) < ev.index(("backward", "blocks.1"))
+        assert ev[-1] == ("release", "wte") and ev.count(("reduce", "wte")) == 1
+        if not tied:  # the head is read only (F.linear in the root's forward): reduced and
+            # released as soon as its gradient is accumulated, before the blocks' backward ends
+            assert ev.index(("read", "lm_head")) < ev.index(("forward_end", "<root GPT>"))
+            assert ev.index(("release", "lm_head")) < ev.index(("reduce", "blocks.1"))
+        # The bound counts the attached units (held when read outside their forward).
+        assert r["gathered_bound"] == 4 * (2 * max(o["units"]) + root + wte + head)
+        assert 4 * (root + wte + head) < r["gathered_peak"] <= r["gathered_bound"]
+
+
+def test_staging_does_not_grow_with_the_model(world):
+    """ZeRO-R's constant-size buffers: 4x the parameters per unit, the same staging bytes."""
+    small, large = (
+        world(2).run(_gpt_attached, False, w, 4096, 1, timeout=TIMEOUT) for w in (32, 64)
+    )
+    for a, b in zip(small, large, strict=True):
+        assert 4 * a["units"][2] <= b["units"][2]  # a block: ~4x
+        assert a["report"]["comm_buffers"] == b["report"]["comm_buffers"] == 2 * 4096
+
+
 # -- prefetch ------------------------------------------------------------------------------------
 
 

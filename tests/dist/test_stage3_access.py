@@ -313,3 +313,43 @@ def test_sharded_construction_never_holds_the_full_model(world):
     for o in out:
         assert o["grown"] < o["limit"] < o["full"], o
         print(f"sharded construction: {o}")
+
+
+def _sharded_gpt(tied: bool, leaf_min: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from zerodp.models.gpt import GPT, get_config
+
+    torch.manual_seed(7)
+    with zerodp.sharded_init():
+        model = GPT(get_config("tiny", tie_embeddings=tied))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=3, leaf_unit_min_numel=leaf_min))
+
+
+def case_sharded_construction_attached(tied: bool) -> list[str]:
+    """Attached units (wte, the untied head) are materialised with the root and initialised by
+    its init_weights: the same numbers as without them (and, tied, as a normal build)."""
+    from zerodp.models.gpt import GPT, get_config
+
+    model, opt = _sharded_gpt(tied, 2**14)
+    plain, _ = _sharded_gpt(tied, 2**30)
+    torch.manual_seed(7)
+    normal = GPT(get_config("tiny", tie_embeddings=tied))
+    with zerodp.full_parameters(plain, writeback=False):
+        ref = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    if tied:
+        for n, p in normal.named_parameters():
+            assert torch.equal(p, ref[n]), f"{n} differs from a normal build"
+    with zerodp.full_parameters(model, writeback=False):
+        for n, p in model.named_parameters():
+            assert torch.equal(p, ref[n]), f"{n} differs"
+    x = torch.randint(0, 256, (2, 17))
+    _, loss = model(x[:, :-1], x[:, 1:])
+    opt.backward(loss)
+    opt.step()
+    return [u.label for u in opt.engine.params.units if u.spec.attached]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sharded_construction_with_attached_units(world, tied):
+    for labels in world(2).run(case_sharded_construction_attached, tied, timeout=TIMEOUT):
+        assert labels == (["wte"] if tied else ["wte", "lm_head"])

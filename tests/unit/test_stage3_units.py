@@ -12,6 +12,8 @@ from zerodp import ZeroConfig
 from zerodp.models.gpt import GPT, get_config
 from zerodp.params.policy import plan_units
 from zerodp.params.prefetch import PassOrder
+from zerodp.params.reduce import chunk_plan
+from zerodp.partition.layout import ParamSpec, build_layout
 
 
 def _gpt() -> nn.Module:
@@ -56,6 +58,73 @@ def test_a_tied_parameter_goes_to_the_common_enclosing_unit():
     assert plan.param_unit[id(model.layers[0].weight)] == 0  # embedding and head: the root
     assert plan.param_unit[id(model.layers[1].weight)] == 2
     assert plan.param_unit[id(model.layers[2].bias)] == 3
+
+
+def _labels_and_owners(model: nn.Module, **kw) -> tuple[list[str], dict[str, str]]:
+    plan = plan_units(model, (), 2**14, **kw)
+    labels = [u.label for u in plan.units]
+    owners = {n: labels[plan.param_unit[id(p)]] for n, p in model.named_parameters()}
+    return labels, owners
+
+
+def test_large_leaf_modules_of_the_root_get_attached_units_by_default():
+    with torch.device("meta"):
+        untied = GPT(get_config("tiny", tie_embeddings=False))  # wte, lm_head: 256 x 64
+    labels, owners = _labels_and_owners(untied, leaf_min_numel=2**14)
+    assert labels == ["<root GPT>", "wte", "blocks.0", "blocks.1", "lm_head"]
+    plan = plan_units(untied, (), 2**14, leaf_min_numel=2**14)
+    assert [u.attached for u in plan.units] == [False, True, False, False, True]
+    assert owners["wte.weight"] == "wte" and owners["lm_head.weight"] == "lm_head"
+    assert owners["wpe.weight"] == owners["ln_f.weight"] == "<root GPT>"  # below the threshold
+    # Tied (the head reads wte.weight in the root's forward): wte is still its own unit; the
+    # read gathers it on demand (hooks.py). Above the threshold, or without one: the root.
+    labels, owners = _labels_and_owners(_gpt(), leaf_min_numel=2**14)
+    assert labels == ["<root GPT>", "wte", "blocks.0", "blocks.1"]
+    assert _labels_and_owners(_gpt(), leaf_min_numel=2**14 + 1)[0][:2] == ["<root GPT>", "blocks.0"]
+    assert _labels_and_owners(_gpt())[1]["wte.weight"] == "<root GPT>"
+    # Only the default policy attaches leaves; named classes and policies decide alone.
+    assert len(plan_units(untied, ("Block",), 0, leaf_min_numel=1).units) == 3
+    assert len(plan_units(untied, (), 0, lambda n, m: False, leaf_min_numel=1).units) == 1
+
+
+class _TiedLeaves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.emb.weight
+        self.proj = nn.Linear(8, 50)
+
+
+def test_a_tied_leaf_weight_stays_in_the_root():
+    """A weight registered by two leaves is owned by neither: they are not units for it."""
+    model = _TiedLeaves()
+    labels, owners = _labels_and_owners(model, leaf_min_numel=400)
+    assert labels == ["<root _TiedLeaves>", "proj"]
+    assert owners["emb.weight"] == "<root _TiedLeaves>"
+    assert owners["proj.weight"] == owners["proj.bias"] == "proj"
+
+
+def test_config_default_attaches_leaves_of_a_million_elements():
+    assert ZeroConfig().leaf_unit_min_numel == 2**20
+    with pytest.raises(ValueError, match=r"ZeroConfig\.leaf_unit_min_numel must be a non-neg"):
+        ZeroConfig(stage=3, leaf_unit_min_numel=-1)
+
+
+def test_reduce_chunks_partition_each_bucket_into_bounded_runs():
+    """[Note: stage-3 reduce chunks]: runs of at most chunk / N elements per rank, aligned,
+    covering every rank's slice of every bucket exactly once."""
+    layout = build_layout([ParamSpec("w", (1000,)), ParamSpec("b", (7,))], 4, 10**9, 4)
+    size = layout.shard_numel  # one bucket: 1008 padded / 4 = 252 per rank
+    assert chunk_plan(layout, None) == [(0, 0, size)]
+    plan = chunk_plan(layout, 200)  # 200 // (4 * 4) * 4 = 48 per rank
+    assert plan == [(0, off, min(48, size - off)) for off in range(0, size, 48)]
+    assert sum(n for _, _, n in plan) == size and plan[-1] == (0, 240, 12)
+    assert chunk_plan(layout, 1) == [(0, off, 4) for off in range(0, size, 4)]  # >= alignment
+    multi = build_layout([ParamSpec("w", (1000,))], 2, 256, 4)  # stage-2 style buckets
+    runs = chunk_plan(multi, 64)
+    assert {b for b, _, _ in runs} == set(range(len(multi.buckets)))
+    assert sum(n for _, _, n in runs) == multi.shard_numel and max(n for *_, n in runs) == 32
 
 
 def test_pass_order_predicts_from_the_previous_pass():

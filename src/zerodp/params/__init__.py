@@ -2,10 +2,10 @@
 
 Files, top-down: ``manager`` (the engine's entry point and accounting), ``hooks`` (the schedule:
 [Note: stage-3 schedule]), ``prefetch`` ([Note: prefetch]), ``unit`` (a unit's lifecycle and its
-all-gathers), ``reduce`` (its reduce-scatters), ``order`` (divergence checks), ``segment``
-([Note: sharded storage]), ``access`` (refusing reads of released parameters), ``policy``
-([Note: units]), ``build`` ([Note: sharded construction]), ``full`` (``full_parameters`` and
-``state_dict``).
+all-gathers), ``reduce`` (its reduce-scatters: [Note: stage-3 reduce chunks]), ``order``
+(divergence checks), ``segment`` ([Note: sharded storage]), ``access`` (refusing reads of
+released parameters), ``policy`` ([Note: units]), ``build`` ([Note: sharded construction]),
+``full`` (``full_parameters`` and ``state_dict``).
 """
 
 from __future__ import annotations

@@ -52,6 +52,10 @@ class UnitLookup(Protocol):
     def released(self, param: torch.Tensor) -> tuple[str, str] | None:
         """(parameter name, unit label) if ``param`` is released now, else None."""
 
+    def read(self, param: torch.Tensor) -> tuple[str, str] | None:
+        """``released``, after gathering ``param``'s unit if the reading rule allows a gather
+        on demand (an attached unit read while the root is gathered)."""
+
 
 class ShardedParameter(nn.Parameter):
     """An ``nn.Parameter`` sharded by zerodp stage 3. It is the full parameter while its unit is
@@ -102,7 +106,7 @@ class ShardedParameter(nn.Parameter):
 def _refuse_if_released(
     lookup: UnitLookup, param: torch.Tensor, func: Callable[..., Any] | str
 ) -> None:
-    where = lookup.released(param)
+    where = lookup.read(param)
     if where is None:
         return
     name, unit = where
@@ -110,7 +114,8 @@ def _refuse_if_released(
     raise RuntimeError(
         f"zerodp stage 3: parameter '{name}' was read ({what}) while its unit '{unit}' is "
         "released (each rank holds only a shard). Read parameters only inside the forward of "
-        "their unit's module, in the loss only if they belong to the root unit, or inside "
+        "their unit's module, in the loss only if they belong to the root unit (or a unit "
+        "attached to it), or inside "
         "`with zerodp.full_parameters(model):`; to keep a parameter available, make it part "
         "of an enclosing unit (ZeroConfig.unit_classes / unit_policy) or persistent "
         "(ZeroConfig.persist_numel)"

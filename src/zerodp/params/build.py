@@ -10,8 +10,11 @@ materialised whole: units are materialised one at a time, root first, then in mo
 For each unit: its own buffers and frozen parameters are created on the device, its parameters
 become views of a fresh flat buffer, ``init_fn(unit_module)`` initialises them (nested units'
 parameters are still on meta, so an init that skips meta tensors, as ``GPT.init_weights`` does,
-initialises exactly this unit), this rank keeps its slice and the buffer is freed. Peak memory is
-this rank's shards plus the largest unit (plus persistent parameters).
+initialises exactly this unit), this rank keeps its slice and the buffer is freed. The attached
+units of a unit ([Note: units]: the large leaves of the root) are materialised together with it
+and initialised by its ``init_fn``, as when they were part of it, so that the numbers drawn do
+not depend on ``leaf_unit_min_numel``. Peak memory is this rank's shards plus the largest unit
+with its attached units (plus persistent parameters).
 
 Seeding: nothing is broadcast; every rank must draw the same numbers. Seed the global RNG
 identically on every rank (``torch.manual_seed(s)``) before ``zerodp.initialize``. A checksum of
@@ -143,25 +146,37 @@ class Builder:
         shards = [[self._empty_shard(items) for items in unit_groups] for unit_groups in groups]
         alive = sum(_nbytes(t) for t in (*[s.param_buffer for s in persistent], *_flat(shards)))
         sums: list[int] = []
-        for u, unit_groups in enumerate(groups):
-            self._materialise_modules(u, pending)
-            segs = [
-                self._segment(len(out.segments) + k, items, one_bucket=True, meta=True)
-                for k, items in enumerate(unit_groups)
+        base = [0]
+        for unit_groups in groups:
+            base.append(base[-1] + len(unit_groups))
+        made: dict[int, ShardedSegment] = {}
+        for u in range(len(groups)):
+            if self.uplan.units[u].attached:
+                continue  # materialised with its parent, below
+            batch = [u] + [
+                a for a, spec in enumerate(self.uplan.units) if spec.attached and spec.parent == u
             ]
-            for seg in segs:
-                _bind(seg, range(len(seg.params)))
+            segs: dict[int, list[Segment]] = {}
+            for v in batch:
+                self._materialise_modules(v, pending)
+                segs[v] = [
+                    self._segment(base[v] + k, items, one_bucket=True, meta=True)
+                    for k, items in enumerate(groups[v])
+                ]
+                for seg in segs[v]:
+                    _bind(seg, range(len(seg.params)))
+            every = [seg for v in batch for seg in segs[v]]
             out.construction_peak = max(
-                out.construction_peak, alive + sum(_nbytes(s.param_buffer) for s in segs)
+                out.construction_peak, alive + sum(_nbytes(s.param_buffer) for s in every)
             )
             with torch.no_grad():
-                self._init(u)
-            sums += [_checksum(s.param_buffer) for s in segs]
-            ids = []
-            for seg, shard in zip(segs, shards[u], strict=True):
-                out.segments.append(ShardedSegment.from_segment(seg, self.comm.rank, shard))
-                ids.append(len(out.segments) - 1)
-            out.unit_segs.append(ids)
+                self._init(batch)
+            for v in batch:
+                for seg, shard in zip(segs[v], shards[v], strict=True):
+                    sums.append(_checksum(seg.param_buffer))
+                    made[seg.index] = ShardedSegment.from_segment(seg, self.comm.rank, shard)
+        out.segments = [made[i] for i in range(base[-1])]
+        out.unit_segs = [list(range(base[u], base[u + 1])) for u in range(len(groups))]
         for seg in persistent:
             sums.append(_checksum(seg.param_buffer))
             out.persistent.append(len(out.segments))
@@ -193,8 +208,10 @@ class Builder:
                     fresh = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
                     torch.utils.swap_tensors(p, fresh)
 
-    def _init(self, u: int) -> None:
-        module = self.uplan.units[u].module
+    def _init(self, batch: list[int]) -> None:
+        """Initialise unit ``batch[0]`` and the attached units ``batch[1:]`` (materialised with
+        it, so that its init draws their numbers where a normal build would)."""
+        module = self.uplan.units[batch[0]].module
         if self.init_fn is not None:
             self.init_fn(module)
             return
@@ -202,8 +219,12 @@ class Builder:
         if callable(init) and _takes_no_arguments(init):
             init()
             return
-        mine = {pid for pid, unit in self.uplan.param_unit.items() if unit == u}
-        for m in self.uplan.modules[u]:
+        mine = {pid for pid, unit in self.uplan.param_unit.items() if unit in batch}
+        order = {id(m): i for i, m in enumerate(module.modules())}
+        modules = sorted(
+            (m for v in batch for m in self.uplan.modules[v]), key=lambda m: order[id(m)]
+        )
+        for m in modules:
             reset = getattr(m, "reset_parameters", None)
             own = list(m.parameters(recurse=False))
             if callable(reset) and all(id(p) in mine or not p.requires_grad for p in own):

@@ -8,6 +8,8 @@ Forward, per call of a unit's module:
          is still held. The root is kept gathered until the end of backward when a backward
          will follow (so parameters read in the root forward after its children ran, such as
          a tied LM head, and root parameters read in the loss, are available).
+Reads: a parameter of an attached unit ([Note: units]) read while the root is held gathers that
+unit on demand (``gather_on_read``), which is then held as long as the root.
 Backward:
   pre-backward (a hook on the unit's forward outputs; fires before the unit's backward runs):
          gather the unit, prefetch the next units of the recorded backward order.
@@ -15,12 +17,18 @@ Backward:
          the gradients w.r.t. the inputs exist, i.e. after the unit's backward, and after the
          ``AccumulateGrad`` of its parameters, which the engine runs first): after the last call
          of the unit, reduce-scatter its gradients and release it.
+  grad ready (a parameter's post-accumulate-grad hook): an attached unit that was only read on
+         demand (its module's forward did not run) is reduce-scattered and released once every
+         one of its parameters has its gradient (each has one AccumulateGrad per backward, run
+         after every use).
   end    (an autograd engine callback): reduce-scatter every unit not reduced yet (unused units,
          units whose inputs need no gradient), then the persistent segments, in a fixed order;
          release everything; the recorded orders become the next predictions.
-Each trigger depends only on the autograd graph, never on which parameters happened to get a
-gradient, so ranks running the same graph issue the same collectives in the same order; the
-order checks (``order.py``) turn ranks whose graphs differ into a clear error.
+Each trigger but "grad ready" depends only on the autograd graph, never on which parameters
+happened to get a gradient, so ranks running the same graph issue the same collectives in the
+same order; "grad ready" fires for the parameters the graph gives a gradient, which is the same
+on every rank whose loss depends on what it read in the same way. The order checks
+(``order.py``) turn ranks whose graphs differ into a clear error.
 
 A unit returning a *view* that the caller then modifies in place loses its pre-backward hook
 (as with FSDP2): return fresh tensors from unit modules.
@@ -134,10 +142,13 @@ class Schedule:
         if torch.is_grad_enabled():
             for t in outs:
                 t.register_hook(partial(self._pre_backward, unit))
+            unit.hooked = unit.hooked or bool(outs)
         if unit is self.root and unit.active == 0:
             unit.kept = unit.kept or bool(outs and torch.is_grad_enabled())
             self.fwd.end()
             self._drop_prefetches([])
+            if not unit.kept:  # no backward follows: attached units read on demand go too
+                self._return_borrowed()
         self.trace("forward_end", unit)
         self.maybe_release(unit)
 
@@ -166,12 +177,25 @@ class Schedule:
 
     def _grad_ready(self, unit: Unit | None, name: str, param: torch.Tensor) -> None:
         self._open_backward()
-        if unit is not None and unit.reduced and self.grads.sync_enabled:
+        if unit is None or not self.grads.sync_enabled:
+            return
+        if unit.reduced:
             self.check.error = (
                 f"the gradient of '{name}' arrived after its unit '{unit.label}' was "
                 "reduce-scattered: the parameter is used outside its unit's forward; make it "
                 "part of an enclosing unit (ZeroConfig.unit_classes / unit_policy)"
             )
+            return
+        unit.ready_grads += 1
+        hooked = unit.hooked or unit.pending_post_backward
+        if unit.borrowed and not hooked and unit.ready_grads == unit.num_params:
+            # An attached unit only read on demand (a head applied as F.linear(x, head.weight)
+            # in the root's forward): no module hook tells when its backward is done, but its
+            # gradients are complete once each parameter's (single) AccumulateGrad ran. Reduce
+            # and release it now rather than at the end of backward.
+            self._reduce(unit)
+            unit.borrowed = False
+            self.maybe_release(unit)
 
     def _open_backward(self) -> None:
         if self._backward_open:
@@ -200,6 +224,27 @@ class Schedule:
             self.trace("reduce", unit)
 
     # -- holding and releasing -----------------------------------------------------------------
+
+    def gather_on_read(self, unit: Unit) -> bool:
+        """A parameter of released ``unit`` is being read. An attached unit (a large leaf of the
+        root, [Note: units]) read while the root is held (its forward, or kept until the end of
+        backward) is gathered now, on every rank alike since every rank runs the same root
+        forward and loss, and held as long as the root is. Returns whether it was gathered."""
+        if not unit.spec.attached:
+            return False
+        parent = self.units[unit.spec.parent] if unit.spec.parent is not None else None
+        if parent is None or not (parent.active or parent.kept):
+            return False
+        unit.borrowed = True
+        self._use(unit)
+        self.trace("read", unit)
+        return True
+
+    def _return_borrowed(self) -> None:
+        for unit in self.units:
+            if unit.borrowed:
+                unit.borrowed = False
+                self.maybe_release(unit)
 
     def _use(self, unit: Unit) -> None:
         if unit.prefetched:
@@ -237,5 +282,8 @@ class Schedule:
             unit.in_backward = False
             unit.pending_post_backward = 0
             unit.kept = False
+            unit.borrowed = False
+            unit.hooked = False
+            unit.ready_grads = 0
             unit.prefetched = False
             self.maybe_release(unit)

@@ -68,9 +68,14 @@ class ShardedParams:
         options: Stage3Options,
     ) -> None:
         self.comm = comm
+        self.plan = plan
         self.depth = config.prefetch_depth
         self.uplan = plan_units(
-            model, config.unit_classes, config.unit_min_numel, options.unit_policy
+            model,
+            config.unit_classes,
+            config.unit_min_numel,
+            options.unit_policy,
+            leaf_min_numel=config.leaf_unit_min_numel,
         )
         # Small (or empty) parameters, and trainable ones no optimizer group holds (never
         # updated), stay replicated: see [Note: persistent parameters] in config.py.
@@ -131,7 +136,11 @@ class ShardedParams:
                 check_ids[i] = u.index
         for k, i in enumerate(self.persistent_seg_ids):
             check_ids[i] = len(self.units) + k
-        self.grads = ShardedGrads(self.segments, self.comm, self.check, check_ids, reduce_dtype)
+        # Reduce-scatters of at most one bucket each ([Note: stage-3 reduce chunks]).
+        chunks = [self.plan.bucket_numel(s.dtype) for s in self.segments]
+        self.grads = ShardedGrads(
+            self.segments, self.comm, self.check, check_ids, reduce_dtype, chunks
+        )
         self.schedule = Schedule(
             self.units,
             self.gatherer,
@@ -174,6 +183,15 @@ class ShardedParams:
         if where is None or where[1].state is UnitState.GATHERED:
             return None
         return where[0], where[1].label
+
+    def read(self, param: torch.Tensor) -> tuple[str, str] | None:
+        """``param`` is about to be read: gather its unit on demand if it is an attached unit
+        and the root is gathered ([Note: units]); else as ``released``."""
+        where = self.released(param)
+        unit = self._where[id(param)][1] if where is not None else None
+        if unit is not None and self.schedule is not None and self.schedule.gather_on_read(unit):
+            return None
+        return where
 
     # -- pins (full_parameters, state_dict) --------------------------------------------------------
 
@@ -230,11 +248,14 @@ class ShardedParams:
     def gathered_bound(self) -> int:
         """The most gathered bytes the schedule may hold: the unit running and ``depth``
         prefetched ones (each at most the largest unit), plus the units enclosing the running
-        one, which stay gathered while it runs (the root among them, when it owns parameters)."""
+        one, which stay gathered while it runs (the root among them, when it owns parameters),
+        plus the attached units, which a read while the root is gathered holds as long as the
+        root ([Note: units])."""
         enclosing = max(
             (sum(self.units[a].full_nbytes for a in u.ancestors) for u in self.units), default=0
         )
-        return (self.depth + 1) * self.largest_unit_bytes() + enclosing
+        attached = sum(u.full_nbytes for u in self.units if u.spec.attached)
+        return (self.depth + 1) * self.largest_unit_bytes() + enclosing + attached
 
 
 def _agree_on_units(comm: Communicator, uplan: UnitPlan, members: list[Named]) -> None:

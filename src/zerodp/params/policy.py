@@ -9,12 +9,21 @@ of precedence:
 1. a policy ``policy(name, module) -> bool`` passed to ``zerodp.initialize(unit_policy=...)``;
 2. ``ZeroConfig.unit_classes``: every module whose class name is listed (any size);
 3. the default: every element of a container (``nn.ModuleList``, ``nn.Sequential``,
-   ``nn.ModuleDict``) holding at least ``ZeroConfig.unit_min_numel`` parameter elements.
+   ``nn.ModuleDict``) holding at least ``ZeroConfig.unit_min_numel`` parameter elements, and
+   every *leaf* child of the root (a module without children, such as an ``nn.Embedding`` or
+   an ``nn.Linear`` LM head) owning at least ``ZeroConfig.leaf_unit_min_numel`` parameter
+   elements that no other module registers. These *attached* units keep the root unit small.
 
-The default picks the repeated layers of a transformer (``blocks.0``, ``blocks.1``, ...) and
-leaves embeddings, final norms and heads in the root unit. That is deliberate: models read
-those directly (a tied LM head is ``F.linear(x, self.wte.weight)`` in the root's forward, not a
-call of the embedding module), and the root unit is gathered for the whole forward.
+The default picks the repeated layers of a transformer (``blocks.0``, ``blocks.1``, ...) and,
+in a large model, the token embedding and the LM head; position embeddings, final norms and
+other small modules stay in the root unit. Models read root parameters directly (a tied LM head
+is ``F.linear(x, self.wte.weight)`` in the root's forward, not a call of the embedding module),
+so an attached unit is, for reading, part of the root: a read of one of its parameters while
+the root is gathered (in the root's forward, or in the loss before backward) gathers it on
+demand, and it then stays gathered as long as the root does (``hooks.py``). Otherwise it is
+gathered only for its own module's forward and backward, and the root does not hold the
+embedding and the head through the whole step. Units chosen by a policy or by
+``unit_classes`` never gather on demand: reading their parameters elsewhere raises.
 
 A parameter belongs to the innermost unit enclosing *every* module that registers it: a tied
 parameter (registered by two modules) goes to their common enclosing unit, which is gathered
@@ -46,6 +55,7 @@ class UnitSpec:
     name: str  # module path, "" for the root
     module: nn.Module
     parent: int | None  # the innermost enclosing unit (None for the root)
+    attached: bool = False  # a default leaf unit of the root: gathered on demand when read
 
     @property
     def label(self) -> str:
@@ -75,9 +85,13 @@ def plan_units(
     unit_classes: tuple[str, ...],
     min_numel: int,
     policy: UnitPolicy | None = None,
+    leaf_min_numel: int | None = None,
 ) -> UnitPlan:
-    """Choose the units of ``model`` (see [Note: units])."""
+    """Choose the units of ``model`` (see [Note: units]). ``leaf_min_numel`` None: no attached
+    leaf units."""
     units = [UnitSpec(0, "", model, None)]
+    default = policy is None and not unit_classes
+    own_numel = _own_numel(model) if default and leaf_min_numel is not None else {}
     module_unit: dict[int, int] = {id(model): 0}
     owned: list[list[nn.Module]] = [[model]]
 
@@ -88,15 +102,25 @@ def plan_units(
             return type(module).__name__ in unit_classes
         return isinstance(parent, CONTAINERS) and _numel(module) >= min_numel
 
+    def is_attached(module: nn.Module, parent: nn.Module) -> bool:
+        return (
+            leaf_min_numel is not None
+            and parent is model
+            and not isinstance(module, CONTAINERS)
+            and next(module.children(), None) is None
+            and own_numel.get(id(module), 0) >= max(leaf_min_numel, 1)
+        )
+
     def walk(module: nn.Module, prefix: str, unit: int) -> None:
         for child_name, child in module.named_children():
             if id(child) in module_unit:  # a module registered twice: visited once
                 continue
             path = f"{prefix}.{child_name}" if prefix else child_name
             here = unit
-            if is_unit(path, child, module):
+            attached = default and is_attached(child, module)
+            if attached or is_unit(path, child, module):
                 here = len(units)
-                units.append(UnitSpec(here, path, child, unit))
+                units.append(UnitSpec(here, path, child, unit, attached))
                 owned.append([])
             module_unit[id(child)] = here
             owned[here].append(child)
@@ -135,6 +159,20 @@ def _common_unit(units: list[UnitSpec], found: list[int]) -> int:
             k += 1
         common = common[:k]
     return common[-1]
+
+
+def _own_numel(model: nn.Module) -> dict[int, int]:
+    """id(module) -> elements of the parameters it registers that no other module registers."""
+    registrars: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            registrars[id(p)] = registrars.get(id(p), 0) + 1
+    return {
+        id(module): sum(
+            p.numel() for p in module.parameters(recurse=False) if registrars[id(p)] == 1
+        )
+        for module in model.modules()
+    }
 
 
 def _numel(module: nn.Module) -> int:

@@ -9,14 +9,27 @@ graph only, not on which parameters happened to receive a gradient, so every ran
 reduce-scatters at the same points relative to its all-gathers (unlike stages 0-2, whose
 bucket-completion trigger may differ between ranks; there only reductions share the group).
 
-A launch copies the segment's gradients into a staging buffer in the reduce dtype (zeros for
-parameters without one), frees ``param.grad``, and reduce-scatters into this rank's gradient
-shard (in the compute dtype), dividing by N and accumulating over synchronised backwards, exactly
-as stage 2's ``SCATTER_STAGED`` does, so the numerics match stages 0-2 bit for bit.
+[Note: stage-3 reduce chunks]
+A unit's reduce-scatter is issued in *chunks* of at most ``bucket_bytes`` (rounded down to a
+multiple of N x alignment, like a stage-2 bucket), so the staging memory is a fixed pool of two
+chunk-sized buffers whatever the size of the largest unit (ZeRO-R's constant-size buffers).
+Rank r owns the contiguous r-th 1/N of a unit ([Note: sharded storage]); chunk k gathers, for
+every rank r, the k-th run of ``c`` elements of r's slice (``c`` = chunk / N), one after the
+other, so one plain equal-chunk reduce-scatter of the staging buffer lands the k-th run of
+every rank's shard gradient in place. The chunks of a unit partition its padded flat space, so
+the traffic is the same as one reduce-scatter of the whole unit (only the number of calls
+grows); a unit no larger than a chunk is one reduce-scatter, as before.
+
+A launch copies a chunk's gradients into a staging buffer in the reduce dtype (zeros for
+parameters without one), frees ``param.grad`` once every element of it was copied, and
+reduce-scatters into this rank's gradient shard (in the compute dtype), dividing by N and
+accumulating over synchronised backwards, exactly as stage 2's ``SCATTER_STAGED`` does, so the
+numerics match stages 0-2 bit for bit.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +39,7 @@ import torch
 from zerodp.comm import Communicator, Handle
 from zerodp.grads.staging import StagingPool, reduce_scatter_into, zero_range
 from zerodp.params.order import Op, OrderCheck
+from zerodp.partition.layout import FlatLayout, Range
 from zerodp.partition.segment import Segment
 
 
@@ -45,6 +59,7 @@ class ShardedGrads:
         check: OrderCheck,
         check_ids: list[int],  # per segment: the index OrderCheck names it by
         reduce_dtype: torch.dtype | None,
+        chunk_numels: list[int] | None = None,  # per segment: most elements per reduce-scatter
         staging_buffers: int = 2,
     ) -> None:
         self.segments = segments
@@ -60,7 +75,14 @@ class ShardedGrads:
         self.shard_grads = [
             torch.empty(s.layout.shard_numel, dtype=s.dtype, device=s.device) for s in segments
         ]
-        numels = [b.numel for s in segments for b in s.layout.buckets]
+        # Per segment: (bucket, offset in the rank's slice of it, elements per rank) of every
+        # reduce-scatter; see [Note: stage-3 reduce chunks].
+        self._chunks = [
+            chunk_plan(s.layout, chunk_numels[i] if chunk_numels else None)
+            for i, s in enumerate(segments)
+        ]
+        self._stops = [[slot.flat.stop for slot in s.layout.slots] for s in segments]
+        numels = [n * self.world for plan in self._chunks for _, _, n in plan]
         self._pool = (
             StagingPool(
                 numels,
@@ -86,27 +108,27 @@ class ShardedGrads:
         if not seg.layout.buckets:
             return
         self.check(Op.REDUCE, self.check_ids[seg_id])
+        left = {s.index: s.flat.numel for s in seg.layout.slots}  # elements not staged yet
+        for b, offset, numel in self._chunks[seg_id]:
+            self._launch(seg_id, b, offset, numel, left)
         for b in range(len(seg.layout.buckets)):
-            self._launch(seg_id, b)
+            self._has_data[seg_id][b] = True
 
     def end_round(self) -> None:
         self.rounds += 1
 
-    def _launch(self, seg_id: int, b: int) -> None:
-        seg = self.segments[seg_id]
-        lay = seg.layout
-        staging, _ = self._acquire(lay.buckets[b].numel)
-        self._fill(seg_id, b, staging)
-        owned = lay.bucket_shard(b, self.comm.rank)
-        target = self.shard_grads[seg_id].narrow(0, lay.bucket_shard_offset(b), owned.numel)
+    def _launch(self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int]) -> None:
+        lay = self.segments[seg_id].layout
+        staging, _ = self._acquire(numel * self.world)
+        self._fill(seg_id, b, offset, numel, staging, left)
+        start = lay.bucket_shard_offset(b) + offset
         handle, average = reduce_scatter_into(
             self.comm,
             staging,
-            target,
+            self.shard_grads[seg_id].narrow(0, start, numel),
             accumulate=self._has_data[seg_id][b],
             convert=self._convert[seg_id],
         )
-        self._has_data[seg_id][b] = True
 
         def post() -> None:
             average()
@@ -114,29 +136,47 @@ class ShardedGrads:
 
         self._inflight.append(_InFlight(handle, post))
 
-    def _fill(self, seg_id: int, b: int, staging: torch.Tensor) -> None:
-        """The bucket's part of every gradient (zeros where none), then free the gradients of
-        parameters whose last bucket this is."""
+    def _fill(
+        self,
+        seg_id: int,
+        b: int,
+        offset: int,
+        numel: int,
+        staging: torch.Tensor,
+        left: dict[int, int],
+    ) -> None:
+        """For every rank r, the run ``[offset, offset + numel)`` of r's slice of bucket ``b``
+        into ``staging[r * numel:]``: each parameter's part of it (zeros where none); then free
+        the gradients whose every element was staged."""
         seg = self.segments[seg_id]
-        bucket = seg.layout.buckets[b]
-        cursor = bucket.start
-        for s in seg.layout.bucket_slots[b]:
-            slot = seg.layout.slots[s]
-            part = slot.flat.intersect(bucket)
-            assert part is not None
-            zero_range(staging, cursor - bucket.start, part.start - bucket.start)
-            dst = staging.narrow(0, part.start - bucket.start, part.numel)
-            p = seg.params[s]
-            grad = p.grad
-            if grad is None:
-                dst.zero_()
-            else:
-                self.used[seg_id][s] = True
-                dst.copy_(grad.reshape(-1).narrow(0, part.start - slot.flat.start, part.numel))
-                if part.stop == slot.flat.stop:
-                    p.grad = None
-            cursor = part.stop
-        zero_range(staging, cursor - bucket.start, bucket.numel)
+        lay = seg.layout
+        stops = self._stops[seg_id]
+        for r in range(self.world):
+            run = lay.bucket_shard(b, r)
+            run = Range(run.start + offset, run.start + offset + numel)
+            base = r * numel - run.start  # staging index of flat position 0
+            cursor = run.start
+            s = bisect_right(stops, run.start)  # the first slot ending after run.start
+            while s < len(lay.slots) and lay.slots[s].flat.start < run.stop:
+                slot = lay.slots[s]
+                part = slot.flat.intersect(run)
+                if part is not None:
+                    zero_range(staging, base + cursor, base + part.start)
+                    dst = staging.narrow(0, base + part.start, part.numel)
+                    p = seg.params[s]
+                    grad = p.grad
+                    if grad is None:
+                        dst.zero_()
+                    else:
+                        self.used[seg_id][s] = True
+                        flat = grad.reshape(-1)
+                        dst.copy_(flat.narrow(0, part.start - slot.flat.start, part.numel))
+                    left[s] -= part.numel
+                    if left[s] == 0:
+                        p.grad = None
+                    cursor = part.stop
+                s += 1
+            zero_range(staging, base + cursor, base + run.stop)
 
     def _acquire(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._pool is not None
@@ -192,3 +232,17 @@ class ShardedGrads:
 
     def remove_hooks(self) -> None:
         """Hooks are owned by the schedule (``ShardedParams.remove``)."""
+
+
+def chunk_plan(layout: FlatLayout, chunk_numel: int | None) -> list[tuple[int, int, int]]:
+    """The reduce-scatters of one segment, as (bucket, offset in each rank's slice of it,
+    elements per rank): each bucket cut into runs of at most ``chunk_numel // N`` elements per
+    rank (rounded down to the alignment; None: whole buckets). See
+    [Note: stage-3 reduce chunks]."""
+    n, align = layout.world_size, layout.align
+    out: list[tuple[int, int, int]] = []
+    for b, bucket in enumerate(layout.buckets):
+        size = bucket.numel // n
+        step = size if chunk_numel is None else max(align, chunk_numel // (n * align) * align)
+        out += [(b, off, min(step, size - off)) for off in range(0, size, step)]
+    return out

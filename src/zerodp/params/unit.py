@@ -37,6 +37,9 @@ class Unit:
     in_backward: bool = False  # its backward started and its gradients are not reduced yet
     prefetched: bool = False  # gathered ahead of its use, not used yet
     kept: bool = False  # the root, from its forward to the end of backward
+    borrowed: bool = False  # an attached unit read on demand: held as long as the root is kept
+    hooked: bool = False  # its forward ran in this pass with outputs that backward will reach
+    ready_grads: int = 0  # parameters whose gradient was accumulated in this backward
     pinned: int = 0  # full_parameters / state_dict / load_state_dict
     # Per backward: post-backward callbacks still expected (one per forward call whose inputs
     # require grad) and whether the gradients were reduce-scattered.
@@ -57,7 +60,18 @@ class Unit:
 
     @property
     def held(self) -> bool:
-        return bool(self.active or self.in_backward or self.prefetched or self.kept or self.pinned)
+        return bool(
+            self.active
+            or self.in_backward
+            or self.prefetched
+            or self.kept
+            or self.borrowed
+            or self.pinned
+        )
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(s.params) for s in self.segments)
 
     @property
     def full_nbytes(self) -> int:
