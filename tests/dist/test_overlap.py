@@ -112,6 +112,11 @@ def case_reads_wait(stage: int) -> None:
         model, torch.optim.SGD(model.parameters(), lr=0.1), _config(stage, True)
     )
     _train(model, opt, 2, check=True)
+    with zerodp.full_parameters(model, writeback=False):
+        assert not opt.engine.param_gather.pending
+        assert torch.equal(model._modules["3"]._parameters["weight"], expected["3.weight"])
+    opt.step()
+    assert opt.engine.param_gather.pending
     opt.wait_params()
     assert not opt.engine.param_gather.pending
     opt.step()  # a step without a forward in between waits before writing the owned slices

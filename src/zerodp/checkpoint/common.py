@@ -32,6 +32,8 @@ def engine_of(model: nn.Module, opt: Any) -> ZeroEngine:
             "the optimizer is not the ZeroOptimizer that zerodp.initialize returned with this model"
         )
     result: ZeroEngine = engine
+    # Checkpoints read and write the owned slices a deferred gather may still be sending.
+    result.wait_params()
     return result
 
 

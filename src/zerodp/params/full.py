@@ -55,6 +55,7 @@ def full_parameters(
     engine: ZeroEngine | None = model.__dict__.get("_zero_engine")
     if engine is None:
         raise TypeError("full_parameters needs a model returned by zerodp.initialize")
+    engine.wait_params()  # stages 1-2: the step's gather must land before reads and writeback
     sharded = engine.params
     units = sharded.units_of(modules) if sharded is not None else []
     segs = _segments_of(engine, modules)
