@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zerodp.bench import stats
+from zerodp.bench import stats, systems
 from zerodp.bench.stats import (
     MIB,
     max_over_ranks,
@@ -64,15 +64,7 @@ __all__ = ["max_over_ranks", "paired_ratios", "percentile", "round_order", "summ
 
 def parse_configs(text: str) -> list[str]:
     """``"ddp,zero1"`` -> ``["ddp", "zero1"]``; unknown or repeated names raise ``ValueError``."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise ValueError("--configs is empty")
-    unknown = [n for n in names if n not in KNOWN_CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown config(s) {unknown}; choose from {', '.join(KNOWN_CONFIGS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"repeated config in {names}")
-    return names
+    return systems.parse_configs(text, KNOWN_CONFIGS, allow_all=False)
 
 
 def stage_of(config: str) -> int | None:

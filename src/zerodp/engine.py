@@ -22,6 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
+from zerodp.optim.agreement import agree_on_step
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
@@ -123,7 +124,7 @@ class ZeroEngine:
         if plan.gather_params:
             self.param_gather.register_hooks(model)
         self.optimizer = optimizer
-        self.scaler = _make_scaler(config) if plan.loss_scaling else None
+        self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self.steps = 0
         self.skipped_steps = 0
@@ -241,7 +242,10 @@ class ZeroEngine:
         nonfinite = self.plan.check_finite and not all(
             bool(torch.isfinite(g).all()) for g in self.masters.grads()
         )
-        used, self._skip = self._agree(nonfinite)
+        # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
+        used, self._skip = agree_on_step(
+            self.comm, self.reducer.used, self.segments, self.frozen, nonfinite
+        )
         for op, view in zip(self.pieces, views, strict=True):
             op.tensor.grad = view if used[op.seg][op.slot] else None
         self._grads_final = True
@@ -258,40 +262,6 @@ class ZeroEngine:
             self.segments[op.seg].piece_view(fp32[op.seg], op.piece, sharded=sharded)
             for op in self.pieces
         ]
-
-    def _agree(self, nonfinite: bool) -> tuple[list[list[bool]], bool]:
-        """One small all-reduce (MAX) of [used bit per parameter..., error, non-finite]: a
-        parameter gets an update iff some rank produced a gradient for it, exactly as in
-        unsharded training; a step is skipped on every rank if any rank saw a non-finite
-        gradient; an error flag makes every rank raise together instead of leaving others
-        hanging in the next collective."""
-        flags = [u for seg in self.reducer.used for u in seg]
-        changed = self._requires_grad_changed()
-        t = torch.tensor([*flags, bool(changed), nonfinite], dtype=torch.uint8)
-        t = t.to(self.segments[0].device if self.segments else "cpu")
-        self.comm.all_reduce_control(t, op="max")
-        bits = t.tolist()
-        if bits[-2]:
-            raise RuntimeError(
-                "requires_grad of a parameter changed after zerodp.initialize "
-                f"({changed or 'on another rank'}); freezing or unfreezing after initialize is "
-                "not supported: set requires_grad before zerodp.initialize and re-initialize"
-            )
-        out, k = [], 0
-        for seg in self.reducer.used:
-            out.append([bool(b) for b in bits[k : k + len(seg)]])
-            k += len(seg)
-        return out, bool(bits[-1])
-
-    def _requires_grad_changed(self) -> str:
-        for seg in self.segments:
-            for name, p in zip(seg.names, seg.params, strict=True):
-                if not p.requires_grad:
-                    return f"'{name}' was frozen"
-        for name, p in self.frozen:
-            if p.requires_grad:
-                return f"'{name}' was unfrozen"
-        return ""
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -385,19 +355,6 @@ class ZeroEngine:
             self.params.remove()
         for h in self._hooks:
             h.remove()
-
-
-def _make_scaler(config: ZeroConfig) -> DynamicLossScaler:
-    fixed = config.loss_scale is not None
-    return DynamicLossScaler(
-        initial_scale=config.loss_scale if config.loss_scale is not None else config.initial_scale,
-        growth_factor=config.growth_factor,
-        backoff_factor=config.backoff_factor,
-        growth_interval=config.growth_interval,
-        hysteresis=config.hysteresis,
-        min_scale=config.min_loss_scale,
-        dynamic=not fixed,
-    )
 
 
 def _batchnorm_param_ids(model: nn.Module) -> set[int]:

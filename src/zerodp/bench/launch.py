@@ -14,7 +14,6 @@ rank's error, and the benchmark goes on with the next configuration.
 from __future__ import annotations
 
 import importlib.metadata
-import multiprocessing
 import os
 import platform
 import sys
@@ -32,10 +31,11 @@ from zerodp.bench.peers import adamw_kwargs
 from zerodp.bench.stats import round_order
 from zerodp.bench.systems import REFERENCE
 from zerodp.bench.table import build_report
+from zerodp.comm.launch import RanksFailed, describe_failure, launch_ranks
 
 # Imported once in the forkserver that every rank is forked from. Only what all configurations
 # need: a system's own modules are imported by its ranks, after the baseline RSS is read.
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "zerodp.bench.runner")
+_PRELOAD = ("zerodp.bench.runner",)
 Log = Callable[[str], None]
 
 
@@ -95,44 +95,24 @@ def launch_config(
 ) -> list[dict[str, Any]] | str:
     """Run ``runner.rank_main`` in ``options.world_size`` local ranks; their results, or the
     failing rank's error as one line."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from zerodp.bench.runner import rank_main
-    from zerodp.train.agent import NOISY_LOGGERS, describe_failure, quiet_loggers
 
-    run_id = f"zerodp-bench-{name}-{uuid.uuid4().hex[:8]}"
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=options.world_size,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # port 0: the agent picks a free one
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=_start_method(),
-        # The ranks' own output (DeepSpeed is chatty) goes to files; errors come back through
-        # @record's error files.
-        logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL),
-    )
     try:
-        with quiet_loggers(NOISY_LOGGERS):
-            returned = elastic_launch(config, rank_main)(options, name, str(tmp), save_params)
-    except ChildFailedError as exc:
+        returned = launch_ranks(
+            rank_main,
+            (options, name, str(tmp), save_params),
+            nproc=options.world_size,
+            run_id=f"zerodp-bench-{name}-{uuid.uuid4().hex[:8]}",
+            log_dir=tmp / "logs",
+            preload=_PRELOAD,
+            # The ranks' own output (DeepSpeed is chatty) goes to files; errors come back
+            # through @record's error files.
+            redirect_output=True,
+        )
+    except RanksFailed as exc:
         rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
         return f"rank {rank}: {describe_failure(failure)[0]}"
     return list(returned.values())
-
-
-def _start_method() -> str:
-    """forkserver where available: torch is imported once, in the server, and each rank is a
-    fork of it (the server never runs a torch op, so forking it is safe). Elsewhere: spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
-    return "forkserver"
 
 
 def _meta(

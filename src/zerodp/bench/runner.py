@@ -14,7 +14,6 @@ phase and the peak within it come from ``PhaseProbe``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from zerodp.bench.options import BenchOptions
 from zerodp.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
 from zerodp.comm import Communicator, destroy, init_from_env
 from zerodp.comm.elastic import record
+from zerodp.train.world import cores_per_rank, local_placement
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
@@ -50,17 +50,10 @@ def params_file(workdir: Path, name: str, rank: int) -> Path:
 
 
 def _join_world(options: BenchOptions) -> tuple[peers.RankInfo, Communicator]:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    local_rank, local_world, device = local_placement()
     # Ranks sharing a node share its cores: by default each gets its part, not all of them
     # (oversubscribed ranks run several times slower and much more noisily).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(options.threads or max(1, (cores or 1) // local_world))
+    torch.set_num_threads(options.threads or cores_per_rank(local_world))
     init_from_env(timeout_s=_PG_TIMEOUT_S)
     comm = Communicator(None)  # barriers and rank facts; its ledger stays out of the report
     return peers.RankInfo(comm.rank, comm.world_size, local_rank, device), comm

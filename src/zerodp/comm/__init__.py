@@ -1,4 +1,5 @@
-"""The only package that imports ``torch.distributed``: collectives, handles and the ledger."""
+"""The only package that imports ``torch.distributed``: collectives, handles and the ledger,
+and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats

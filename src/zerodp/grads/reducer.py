@@ -33,20 +33,15 @@ Three modes, one per way of holding gradients:
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zerodp.comm import Communicator, Handle
-from zerodp.grads.staging import (
-    StagingPool,
-    reduce_scatter_into,
-    zero_range,
-    zeros_like_shard,
-)
+from zerodp.comm import Communicator
+from zerodp.grads.inflight import InFlight
+from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range, zeros_like_shard
 from zerodp.partition.layout import Range
 from zerodp.partition.segment import Segment, flat_view
 
@@ -65,13 +60,6 @@ class _Bucket:
     owned: Range  # this rank's slice of it (flat space)
     shard_offset: int  # where the owned slice starts in the shard buffer
     slots: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _InFlight:
-    bucket: int
-    handle: Handle
-    post: Callable[[], None]
 
 
 class GradReducer:
@@ -105,23 +93,13 @@ class GradReducer:
             [[self._seg_bucket_ids[i][b] for b in buckets] for buckets in seg.layout.slot_buckets]
             for i, seg in enumerate(segments)
         ]
-        needs_pool = segments and (staged or any(self._convert))
-        self._pool = (
-            StagingPool(
-                [b.flat.numel for b in self.buckets],
-                self.world,
-                reduce_dtype or segments[0].dtype,
-                segments[0].device,
-                staging_buffers,
-                with_scratch=False,
-            )
-            if needs_pool
-            else None
+        staged_numels = [b.flat.numel for b in self.buckets] if staged or any(self._convert) else []
+        self._inflight = InFlight(
+            staging_pool(staged_numels, self.world, segments, reduce_dtype, staging_buffers)
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
         self.order = list(range(len(self.buckets)))  # launch order ([Note: launch order])
         self._recorded: list[int] | None = []  # completion order seen; None once adopted
-        self._inflight: deque[_InFlight] = deque()
         self._has_data = [False] * len(self.buckets)
         self._rounds = 0  # reduction rounds launched since the last finish()
         self._averaged = False  # finish() ran and zero_grad() has not
@@ -277,18 +255,17 @@ class GradReducer:
             def average() -> None:
                 view.div_(self.world)
 
-            self._inflight.append(_InFlight(gb, handle, average))
+            self._inflight.push(handle, average)
             return
-        staging = self._acquire(bucket.flat.numel)
+        staging = self._inflight.acquire(bucket.flat.numel, self.world)
         staging.copy_(view)
         handle = self.comm.all_reduce(staging, async_op=True)
 
         def average_and_store() -> None:
             staging.div_(self.world)
             view.copy_(staging)
-            self._release(staging)
 
-        self._inflight.append(_InFlight(gb, handle, average_and_store))
+        self._inflight.push(handle, average_and_store, staging)
 
     def _launch_in_place(self, gb: int, bucket: _Bucket) -> None:
         buf = self.grad_buffers[bucket.seg]
@@ -298,7 +275,7 @@ class GradReducer:
         hi = bucket.owned.stop - bucket.flat.start
         staging: torch.Tensor | None = None
         if self._convert[bucket.seg]:
-            staging = self._acquire(bucket.flat.numel)
+            staging = self._inflight.acquire(bucket.flat.numel, self.world)
             staging.copy_(view)
             handle = self.comm.reduce_scatter(staging[lo:hi], staging, async_op=True)
         else:
@@ -307,16 +284,15 @@ class GradReducer:
         def consume_others() -> None:
             if staging is not None:
                 view[lo:hi].copy_(staging[lo:hi].div_(self.world))
-                self._release(staging)
             else:
                 view[lo:hi].div_(self.world)
             view[:lo].zero_()
             view[hi:].zero_()
 
-        self._inflight.append(_InFlight(gb, handle, consume_others))
+        self._inflight.push(handle, consume_others, staging)
 
     def _launch_staged(self, gb: int, bucket: _Bucket) -> None:
-        staging = self._acquire(bucket.flat.numel)
+        staging = self._inflight.acquire(bucket.flat.numel, self.world)
         self._fill_staging(bucket, staging)
         shard = self.shard_grads[bucket.seg]
         assert shard is not None
@@ -329,12 +305,7 @@ class GradReducer:
             convert=self._convert[bucket.seg],
         )
         self._has_data[gb] = True
-
-        def post() -> None:
-            average()
-            self._release(staging)
-
-        self._inflight.append(_InFlight(gb, handle, post))
+        self._inflight.push(handle, average, staging)
 
     def _fill_staging(self, bucket: _Bucket, staging: torch.Tensor) -> None:
         """Copy the bucket's part of each parameter's gradient, zero the rest, free grads whose
@@ -358,24 +329,7 @@ class GradReducer:
             cursor = part.stop
         zero_range(staging, cursor - bucket.flat.start, bucket.flat.numel)
 
-    def _acquire(self, numel: int) -> torch.Tensor:
-        """A staging bucket; waits for the oldest in-flight bucket when all buffers are taken
-        (they are only ever held by launched collectives)."""
-        assert self._pool is not None
-        while not self._pool.available and self._inflight:
-            self._wait_oldest()
-        return self._pool.acquire(numel, self.world)[0]
-
-    def _release(self, staging: torch.Tensor) -> None:
-        assert self._pool is not None
-        self._pool.release(staging)
-
     # -- completion ----------------------------------------------------------------------------
-
-    def _wait_oldest(self) -> None:
-        item = self._inflight.popleft()
-        item.handle.wait()
-        item.post()
 
     def finish(self) -> None:
         """Make the step's gradients final: launch what no backward launched, wait for every
@@ -385,13 +339,11 @@ class GradReducer:
         if self._rounds == 0:
             self._launch_remaining()
             self._reset_backward()
-        while self._inflight:
-            self._wait_oldest()
+        self._inflight.wait_all()
         self._averaged = True
 
     def zero_grad(self) -> None:
-        while self._inflight:  # never zero a buffer a collective is still writing
-            self._wait_oldest()
+        self._inflight.wait_all()  # never zero a buffer a collective is still writing
         for buf in self.grad_buffers:
             if buf is not None:
                 buf.zero_()
@@ -423,7 +375,7 @@ class GradReducer:
         return buf, False
 
     def buffer_bytes(self) -> int:
-        return self._pool.nbytes if self._pool is not None else 0
+        return self._inflight.staging_bytes
 
     def gradient_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.grad_buffers if t is not None) + sum(

@@ -92,3 +92,19 @@ def reduce_scatter_into(
             target.copy_(out)
 
     return handle, average_into_target
+
+
+def staging_pool(
+    bucket_numels: list[int],
+    world: int,
+    segments: list[Segment],
+    reduce_dtype: torch.dtype | None,
+    count: int,
+) -> StagingPool | None:
+    """``count`` staging buffers for buckets of ``bucket_numels`` elements, in the reduce dtype
+    (None: the gradients' own) on the segments' device; None when nothing is staged."""
+    if not bucket_numels:
+        return None
+    first = segments[0]
+    dtype = reduce_dtype or first.dtype
+    return StagingPool(bucket_numels, world, dtype, first.device, count, with_scratch=False)

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from zerodp.config import ZeroConfig
+
 log = logging.getLogger("zerodp")
 
 
@@ -50,6 +52,22 @@ class DynamicLossScaler:
         self.dynamic = dynamic
         self._hysteresis_left = hysteresis
         self._good_steps = 0
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> DynamicLossScaler:
+        """The scaler ``config`` asks for: fixed at ``loss_scale`` when set, else dynamic."""
+        fixed = config.loss_scale is not None
+        return cls(
+            initial_scale=config.loss_scale
+            if config.loss_scale is not None
+            else config.initial_scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            hysteresis=config.hysteresis,
+            min_scale=config.min_loss_scale,
+            dynamic=not fixed,
+        )
 
     def update(self, finite: bool) -> None:
         if not self.dynamic:

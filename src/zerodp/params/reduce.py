@@ -30,23 +30,15 @@ numerics match stages 0-2 bit for bit.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from zerodp.comm import Communicator, Handle
-from zerodp.grads.staging import StagingPool, reduce_scatter_into, zero_range
+from zerodp.comm import Communicator
+from zerodp.grads.inflight import InFlight
+from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range
 from zerodp.params.order import Op, OrderCheck
 from zerodp.partition.layout import FlatLayout, Range
 from zerodp.partition.segment import Segment
-
-
-@dataclass(slots=True)
-class _InFlight:
-    handle: Handle
-    post: Callable[[], None]
 
 
 class ShardedGrads:
@@ -83,21 +75,11 @@ class ShardedGrads:
         ]
         self._stops = [[slot.flat.stop for slot in s.layout.slots] for s in segments]
         numels = [n * self.world for plan in self._chunks for _, _, n in plan]
-        self._pool = (
-            StagingPool(
-                numels,
-                self.world,
-                reduce_dtype or segments[0].dtype,
-                segments[0].device,
-                staging_buffers,
-                with_scratch=False,
-            )
-            if segments
-            else None
+        self._inflight = InFlight(
+            staging_pool(numels, self.world, segments, reduce_dtype, staging_buffers)
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
         self._has_data = [[False] * len(s.layout.buckets) for s in segments]
-        self._inflight: deque[_InFlight] = deque()
         self.rounds = 0  # synchronised reduction rounds since zero_grad
         self._averaged = False
 
@@ -119,7 +101,7 @@ class ShardedGrads:
 
     def _launch(self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int]) -> None:
         lay = self.segments[seg_id].layout
-        staging, _ = self._acquire(numel * self.world)
+        staging = self._inflight.acquire(numel * self.world, self.world)
         self._fill(seg_id, b, offset, numel, staging, left)
         start = lay.bucket_shard_offset(b) + offset
         handle, average = reduce_scatter_into(
@@ -129,12 +111,7 @@ class ShardedGrads:
             accumulate=self._has_data[seg_id][b],
             convert=self._convert[seg_id],
         )
-
-        def post() -> None:
-            average()
-            self._release(staging)
-
-        self._inflight.append(_InFlight(handle, post))
+        self._inflight.push(handle, average, staging)
 
     def _fill(
         self,
@@ -178,21 +155,6 @@ class ShardedGrads:
                 s += 1
             zero_range(staging, base + cursor, base + run.stop)
 
-    def _acquire(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._pool is not None
-        while not self._pool.available and self._inflight:
-            self._wait_oldest()
-        return self._pool.acquire(numel, self.world)
-
-    def _release(self, staging: torch.Tensor) -> None:
-        assert self._pool is not None
-        self._pool.release(staging)
-
-    def _wait_oldest(self) -> None:
-        item = self._inflight.popleft()
-        item.handle.wait()
-        item.post()
-
     # -- the engine's reducer interface ----------------------------------------------------------
 
     def finish(self) -> None:
@@ -206,13 +168,11 @@ class ShardedGrads:
                 self.reduce(i)
             self.end_round()
         self.check(Op.STEP)
-        while self._inflight:
-            self._wait_oldest()
+        self._inflight.wait_all()
         self._averaged = True
 
     def zero_grad(self) -> None:
-        while self._inflight:  # never zero a buffer a collective is still writing
-            self._wait_oldest()
+        self._inflight.wait_all()  # never zero a buffer a collective is still writing
         for seg in self.segments:
             for p in seg.params:
                 p.grad = None
@@ -225,7 +185,7 @@ class ShardedGrads:
         return self.shard_grads[seg], True
 
     def buffer_bytes(self) -> int:
-        return self._pool.nbytes if self._pool is not None else 0
+        return self._inflight.staging_bytes
 
     def gradient_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.shard_grads)

@@ -1,83 +1,54 @@
 """Starting the ranks of ``zerodp train`` on this machine with torch's own elastic launcher.
 
 The ranks are the same ``rank_main`` that ``torchrun -m zerodp.train`` runs, started by
-``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses inside): a local c10d
-rendezvous on a free port, no restarts, ranks forked from a forkserver that has torch imported.
-If any rank raises, the agent stops all the others and raises ``ChildFailedError``; the failing
-rank's exception and traceback are shown to the user (from the note every failing rank leaves,
-see ``format_failures``, else from the error file ``@record`` wrote) and the command exits
-non-zero.
+``comm.launch.launch_ranks`` (torch's ``elastic_launch``, what torchrun uses inside). If any rank
+raises, the agent stops all the others; the failing rank's exception and traceback are shown to
+the user (from the note every failing rank leaves, see ``format_failures``, else from the error
+file ``@record`` wrote) and the command exits non-zero.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import sys
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
-from zerodp.train.agent import NOISY_LOGGERS, describe_failure, quiet_loggers
+from zerodp.comm.launch import LaunchInterrupted, RanksFailed, describe_failure, launch_ranks
 from zerodp.train.options import ErrorNote, TrainOptions
 
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "zerodp.train.loop")
+_PRELOAD = ("zerodp.train.loop",)
 _MAX_TRACEBACKS = 2  # distinct errors shown in full; further failing ranks get one line each
 
 
 def launch_local(options: TrainOptions, nproc: int) -> int:
     """Run ``nproc`` ranks here and wait for them; the exit status for the command."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from zerodp.train.loop import rank_main
 
     with tempfile.TemporaryDirectory(prefix="zerodp-train-") as tmp:
         error_dir = Path(tmp, "errors")
         error_dir.mkdir()
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=f"zerodp-train-{uuid.uuid4().hex[:12]}",
-            rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0",  # port 0: the agent picks a free one (as --standalone)
-            max_restarts=0,  # a deterministic run that failed once fails again
-            monitor_interval=0.1,
-            start_method=_start_method(),
-            # The agent's own files (error files), removed with tmp; by default it leaves a
-            # /tmp/torchelastic_* directory behind on every run.
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "agent"))),
-        )
         try:
-            with quiet_loggers(NOISY_LOGGERS):
-                elastic_launch(config, rank_main)(options, str(error_dir))
-        except ChildFailedError as exc:
+            launch_ranks(
+                rank_main,
+                (options, str(error_dir)),
+                nproc=nproc,
+                run_id=f"zerodp-train-{uuid.uuid4().hex[:12]}",
+                log_dir=Path(tmp, "agent"),  # removed with tmp
+                preload=_PRELOAD,
+            )
+        except RanksFailed as exc:
             notes = read_error_notes(error_dir)
             print(format_failures(notes, exc.failures), file=sys.stderr, flush=True)
             return 1
-        except SignalException as exc:  # Ctrl-C or a kill: the agent has stopped the ranks
-            name = exc.sigval.name
+        except LaunchInterrupted as exc:  # Ctrl-C or a kill: the agent has stopped the ranks
+            name = exc.signal.name
             print(f"zerodp train: interrupted ({name}); all ranks stopped", file=sys.stderr)
-            return 128 + int(exc.sigval)
+            return 128 + int(exc.signal)
     return 0
-
-
-def _start_method() -> str:
-    """forkserver where available: one server process imports torch, torch._dynamo (which the
-    first torch optimizer imports, ~3 s) and the loop once, and every rank is a fork of it,
-    instead of each rank importing them all again (spawn). The server never runs a torch op or
-    touches CUDA, so forking it is safe, unlike forking this process. Elsewhere: spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    ctx = multiprocessing.get_context("forkserver")
-    # Takes effect when the server starts, i.e. at the first launch of this process.
-    ctx.set_forkserver_preload(list(_PRELOAD))
-    return "forkserver"
 
 
 def read_error_notes(directory: str | Path) -> list[ErrorNote]:

@@ -31,13 +31,8 @@ class RankContext:
 
 
 def join_world() -> RankContext:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    local_rank, local_world, device = local_placement()
+    if device.type == "cpu":
         limit_threads(local_world)
     init_from_env(timeout_s=PG_TIMEOUT_S)
     world = Communicator(None)
@@ -51,17 +46,34 @@ def join_world() -> RankContext:
     )
 
 
+def local_placement() -> tuple[int, int, torch.device]:
+    """(local rank, ranks on this node, device) from the launcher's environment; on CUDA the
+    rank's own GPU (by local rank) becomes the current device. Shared with ``zerodp bench``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not torch.cuda.is_available():
+        return local_rank, local_world, torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return local_rank, local_world, device
+
+
 def limit_threads(local_world_size: int) -> None:
     """Share the cores between the ranks of this node. Ranks each using every core (torch's
     default) oversubscribe the CPU and run several times slower. An explicit OMP_NUM_THREADS
     (torchrun sets 1) is left alone."""
     if "OMP_NUM_THREADS" in os.environ:
         return
+    torch.set_num_threads(cores_per_rank(local_world_size))
+
+
+def cores_per_rank(local_world_size: int) -> int:
+    """This process's cores (its affinity mask on Linux) divided among the node's ranks."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+    return max(1, cores // max(1, local_world_size))
 
 
 def environment(ctx: RankContext, seq_len: int) -> dict[str, Any]:
