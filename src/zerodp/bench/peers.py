@@ -194,6 +194,12 @@ def _build_ddp(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer
     return DDPPeer(module, ddp, _adamw(module.parameters(), options), options.precision == "bf16")
 
 
+def _build_plain(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
+    if info.world_size != 1:  # raised on every rank, before any collective
+        raise Unavailable("not available", "plain training has no data parallelism: world size 1")
+    return Peer(module, module, _adamw(module.parameters(), options), options.precision == "bf16")
+
+
 def _build_zro(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -251,6 +257,7 @@ def _build_deepspeed(stage: int) -> Callable[[nn.Module, RankInfo, BenchOptions]
 
 BUILDERS: dict[str, Callable[[nn.Module, RankInfo, BenchOptions], Peer]] = {
     "ddp": _build_ddp,
+    "plain": _build_plain,
     "zro": _build_zro,
     **{f"zero{s}": _build_zerodp(s) for s in range(4)},
     "fsdp2": _build_fsdp2(True),

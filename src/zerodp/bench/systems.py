@@ -44,6 +44,15 @@ class System:
 
 SYSTEMS: tuple[System, ...] = (
     System("ddp", "torch", "DistributedDataParallel", 0, 2, 2, "all-reduce of the gradients"),
+    System(
+        "plain",
+        "torch",
+        "plain PyTorch, no wrapper (world size 1 only)",
+        0,
+        0,
+        0,
+        "none: the overhead baseline for one device",
+    ),
     System("zero0", "zerodp", "zerodp stage 0", 0, 2, 2, "all-reduce of the gradients"),
     System("zero1", "zerodp", "zerodp stage 1", 1, 2, 2, "reduce-scatter grads, all-gather params"),
     System("zero2", "zerodp", "zerodp stage 2", 2, 2, 2, "reduce-scatter grads, all-gather params"),
