@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONFIGS = ["ddp", "zero2", "zero3", "fsdp2"]
+CONFIGS = ["ddp", "plain", "zero2", "zero3", "fsdp2"]
 TIMEOUT_S = 120  # ~10 s on 2 idle cores; generous for a loaded machine
 
 
@@ -34,8 +34,11 @@ def test_bench_tiny_two_ranks(tmp_path: Path) -> None:
     meta = report["meta"]
     assert meta["world_size"] == 2 and meta["preset"] == "tiny" and meta["backend"] == "gloo"
     assert list(report["configs"]) == CONFIGS
+    plain = report["configs"]["plain"]  # no data parallelism: one device only
+    assert plain["status"] == "not available", plain
+    assert plain["reason"] == "plain training has no data parallelism: world size 1", plain
     for name, c in report["configs"].items():
-        if name == "zero3" and c["status"] == "not available":  # stage 3 is optional here
+        if name == "plain" or (name == "zero3" and c["status"] == "not available"):
             continue
         assert c["status"] == "ok", (name, c.get("reason"))
         assert c["step_time_s"]["n"] == 2 and c["step_time_s"]["median"] > 0, name
@@ -50,3 +53,24 @@ def test_bench_tiny_two_ranks(tmp_path: Path) -> None:
     assert abs(zero2["comm"]["measured_psi"] - 2.0) < 0.01  # reduce-scatter + all-gather
     # stage 2 shards gradients and optimizer state, DDP holds them whole
     assert zero2["memory_bytes"]["optimizer_state"] < ddp["memory_bytes"]["optimizer_state"]
+
+
+def test_bench_plain_one_rank(tmp_path: Path) -> None:
+    """At world size 1 the unwrapped model is the baseline, and every system matches it."""
+    out = tmp_path / "bench.json"
+    args = ["--preset", "tiny", "--world-size", "1", "--steps", "1", "--warmup", "1"]
+    args += ["--batch", "2", "--threads", "1", "--configs", "ddp,plain,zero2", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerodp.cli.main", "bench", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    configs = json.loads(out.read_text())["configs"]
+    assert configs["plain"]["status"] == "ok", configs["plain"]
+    # The same arithmetic as DDP over one rank (same AdamW kernel): identical parameters.
+    assert configs["plain"]["parity_vs_ddp"]["max_abs_diff"] == 0
+    assert configs["zero2"]["parity_vs_ddp"]["passed"]
