@@ -23,6 +23,7 @@ from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.optim.agreement import agree_on_step
+from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
@@ -58,6 +59,7 @@ class ZeroEngine:
     pieces: list[OptimPiece]
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
     masters: Masters
+    chunked: ChunkedGrads | None  # mixed precision: the step through an fp32 scratch
     scaler: DynamicLossScaler | None  # fp16 only
     steps: int  # optimizer steps attempted (skipped ones included)
     skipped_steps: int
@@ -115,6 +117,12 @@ class ZeroEngine:
             self.reducer.register_hooks()
         self.pieces = self._build_pieces(optimizer)
         rebind_optimizer(optimizer, self.pieces, self.segments)
+        self.chunked = None
+        if plan.mixed:  # [Note: chunked fp32 gradients] in optim/chunked.py
+            sharded = self.masters.sharded
+            self.chunked = ChunkedGrads(
+                self.segments, self.pieces, sharded=sharded, rank=self.comm.rank
+            )
         # Stage 3's persistent parameters may be read anywhere: their gather is not deferred.
         self.param_gather = DeferredGather(
             [s for s in self.segments if not isinstance(s, ShardedSegment)],
@@ -131,6 +139,7 @@ class ZeroEngine:
         self.last_step = None
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
         self._skip = False  # the current step's gradients are not finite somewhere
+        self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self._grad_norm: float | None = None
         self._scaled_backward = False
         self.init_comm = self.comm.ledger.end_step()
@@ -238,30 +247,21 @@ class ZeroEngine:
         self.reducer.finish()
         if isinstance(self.reducer, GradReducer):
             self.reducer.adopt_recorded_order()  # once ([Note: launch order])
-        views = self._owned_grads()
-        nonfinite = self.plan.check_finite and not all(
-            bool(torch.isfinite(g).all()) for g in self.masters.grads()
-        )
+        nonfinite = False
+        if self.chunked is not None and self.plan.check_finite:
+            nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         used, self._skip = agree_on_step(
             self.comm, self.reducer.used, self.segments, self.frozen, nonfinite
         )
-        for op, view in zip(self.pieces, views, strict=True):
-            op.tensor.grad = view if used[op.seg][op.slot] else None
+        self._used = used
+        if self.chunked is None:  # fp32: the optimizer steps views of the reduced gradients
+            for op in self.pieces:
+                op.tensor.grad = op.grad if used[op.seg][op.slot] else None
         self._grads_final = True
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """Per piece, the gradient the optimizer sees: a view of the reduced gradient storage
-        (fp32 training), or of an fp32 copy divided by the loss scale (mixed precision)."""
-        if not self.plan.mixed:
-            return [op.grad for op in self.pieces]
-        scale = 1.0 / self.scaler.scale if self.scaler else 1.0
-        fp32 = self.masters.fp32_grads(self.reducer, scale)
-        sharded = self.masters.sharded
-        return [
-            self.segments[op.seg].piece_view(fp32[op.seg], op.piece, sharded=sharded)
-            for op in self.pieces
-        ]
+    def _inv_scale(self) -> float:
+        return 1.0 / self.scaler.scale if self.scaler else 1.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -284,7 +284,10 @@ class ZeroEngine:
             )
         else:
             reason = None
-            self.optimizer.step()
+            if self.chunked is not None:
+                self.chunked.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
+            else:
+                self.optimizer.step()
             self.publish_params()
         if self.scaler is not None:
             self.scaler.update(finite=not self._skip)
@@ -294,10 +297,8 @@ class ZeroEngine:
         return loss
 
     def _end_step(self) -> None:
-        self.masters.drop_grads()
-        if self.plan.mixed:
-            for op in self.pieces:
-                op.tensor.grad = None
+        if self.chunked is not None:
+            self.chunked.reset()
         self._grads_final = False
         self._skip = False
         self._grad_norm = None
@@ -324,11 +325,18 @@ class ZeroEngine:
         self.reducer.zero_grad()
         for op in self.pieces:
             op.tensor.grad = None
-        self.masters.drop_grads()
+        if self.chunked is not None:
+            self.chunked.reset()
         self._grads_final = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.finish_gradients()
+        if self.chunked is not None:
+            norm = self.chunked.clip(
+                self.reducer, self._inv_scale(), self._used, max_norm, norm_type, self.comm
+            )
+            self._grad_norm = float(norm)
+            return norm
         grads = [op.tensor.grad for op in self.pieces if op.tensor.grad is not None]
         device = self.segments[0].device if self.segments else torch.device("cpu")
         norm = clip_grad_norm(

@@ -79,6 +79,17 @@ def expected_comm_buffers(stage: int, precision: str) -> int:
     return STAGING_COUNT * bucket_numel * REDUCE_ELSIZE
 
 
+def expected_scratch(stage: int, precision: str) -> int:
+    """The mixed-precision step's fp32 gradient scratch ([Note: chunked fp32 gradients] in
+    ``optim/chunked.py``): one bucket (stage 0) or one bucket's owned slice, in fp32."""
+    e = ELSIZE[precision]
+    if e == 4:
+        return 0  # fp32: the optimizer steps the reduced gradients in place
+    quantum = WORLD * (16 // e)
+    bucket_numel = (BUCKET_BYTES // e) // quantum * quantum
+    return 4 * (bucket_numel if stage == 0 else bucket_numel // WORLD)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_buffers_do_not_grow_with_the_model(world, stage, precision):
@@ -99,6 +110,12 @@ def test_comm_buffers_do_not_grow_with_the_model(world, stage, precision):
             assert r["comm_buffers"] == expected, (shape, rank, r["comm_buffers"], expected)
             line = next(ln for ln in o["table"].splitlines() if "comm buffers" in ln)
             assert f"{expected:,} B" in line, line
+            scratch = expected_scratch(stage, precision)
+            if stage < 3:
+                assert r["step_transient"] == scratch, (shape, rank, r["step_transient"], scratch)
+            else:  # a unit is one bucket: the largest unit's shard (or a persistent bucket's)
+                unit_shard = 4 * (r["largest_unit"] // ELSIZE[precision]) // WORLD
+                assert r["step_transient"] in (unit_shard, scratch), (shape, r, unit_shard)
     if stage >= 2 or precision != "fp32":
         assert expected == STAGING_COUNT * BUCKET_BYTES * REDUCE_ELSIZE // ELSIZE[precision]
 

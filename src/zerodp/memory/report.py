@@ -41,7 +41,7 @@ class MemoryReport:
     optimizer_scalar_bytes: int  # of which 0-dim tensors such as Adam's step counters
     comm_buffers: int  # bucket / staging buffers
     frozen_parameters: int  # requires_grad=False parameters, replicated, no optimizer state
-    step_transient: int  # fp32 owned gradient alive only from end of backward to end of step
+    step_transient: int  # fp32 gradient scratch of the mixed-precision step (one bucket's slice)
     precision: str
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
     # Stage 3 (0 otherwise). ``parameters`` is then this rank's shards plus the persistent ones.
@@ -88,7 +88,11 @@ class MemoryReport:
                 else "none: gradients are reduced in place in their buffer",
             ),
             ("frozen parameters", self.frozen_parameters, "replicated"),
-            ("step transient", self.step_transient, "fp32 owned gradient during step()"),
+            (
+                "step transient",
+                self.step_transient,
+                "fp32 gradient scratch: one bucket's owned slice, allocated once",
+            ),
         ]
         if self.stage == 3:
             rows += [
@@ -148,7 +152,7 @@ def measure(engine: ZeroEngine) -> MemoryReport:
         optimizer_scalar_bytes=scalar_bytes,
         comm_buffers=engine.reducer.buffer_bytes(),
         frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
-        step_transient=engine.masters.transient_bytes(),
+        step_transient=engine.chunked.nbytes if engine.chunked is not None else 0,
         precision=engine.config.precision,
         theory=_theory(engine, num, elsize),
         **stage3,

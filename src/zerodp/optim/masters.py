@@ -7,11 +7,13 @@ step updates the model in place (then stages 1-2 all-gather the owned slices).
 bf16/fp16 training (``ZeroConfig.precision``): the model's parameters and gradients are in the
 compute dtype; an fp32 master copy exists only for the owned pieces (stages 1-2: a shard buffer
 of ``shard_numel``; stage 0: the whole flat space), initialised from the fp32 parameters before
-they are cast. At each step the owned gradient is materialised in fp32 (averaged, unscaled),
-the optimizer steps the fp32 masters, and ``publish`` casts the updated masters into the
+they are cast. At each step the optimizer steps the fp32 masters on the owned gradient upcast
+(averaged, unscaled) one bucket at a time into a constant-size fp32 scratch ([Note: chunked
+fp32 gradients] in optim/chunked.py), and ``publish`` casts the updated masters into the
 compute-dtype buffer before the all-gather. At rest a rank holds exactly the paper's model states
-(2Ψ params + 2Ψ or 2Ψ/N grads + 12Ψ or 12Ψ/N for masters, momentum, variance); the fp32 owned
-gradient exists only between the end of backward and the end of ``step``.
+(2Ψ params + 2Ψ or 2Ψ/N grads + 12Ψ or 12Ψ/N for masters, momentum, variance) plus that
+scratch (one bucket's owned slice in fp32, set by ``bucket_bytes``, not by the model); no
+step allocates an fp32 copy of the owned gradient.
 
 Stage 3 (``ShardedSegment``, [Note: sharded storage]): the owned shard is all a rank holds at
 rest. fp32: the masters *are* the shards. Mixed: the masters are fp32 copies of the shards, and
@@ -54,7 +56,6 @@ class Masters:
                 self.buffers.append(self._gather_owned(seg, seg.param_buffer).float())
             else:
                 self.buffers.append(seg.param_buffer.detach().float().clone())
-        self._grads: list[torch.Tensor | None] = [None] * len(segments)
 
     def _gather_owned(self, seg: Segment, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slices of ``flat`` (a full-size flat buffer), concatenated in bucket order:
@@ -67,34 +68,6 @@ class Masters:
 
     def storage(self, i: int) -> tuple[torch.Tensor, bool]:
         return self.buffers[i], self.sharded or isinstance(self.segments[i], ShardedSegment)
-
-    # -- gradients -----------------------------------------------------------------------------
-
-    def fp32_grads(self, reducer: ReducedGrads, scale: float) -> list[torch.Tensor]:
-        """Materialise the owned fp32 gradient of every segment, multiplied by ``scale``
-        (1/loss_scale). Kept until ``drop_grads``."""
-        out = []
-        for i, seg in enumerate(self.segments):
-            storage, is_shard = reducer.grad_storage(i)
-            if is_shard or not self.sharded:
-                g = storage.float()
-            else:
-                g = self._gather_owned(seg, storage).float()
-            if scale != 1.0:
-                g.mul_(scale)
-            self._grads[i] = g
-            out.append(g)
-        return out
-
-    def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradients materialised for the current step (empty in fp32 training)."""
-        return [g for g in self._grads if g is not None]
-
-    def drop_grads(self) -> None:
-        self._grads = [None] * len(self.segments)
-
-    def transient_bytes(self) -> int:
-        return sum(b.numel() * 4 for b in self.buffers) if self.separate else 0
 
     # -- publishing ----------------------------------------------------------------------------
 

@@ -1,0 +1,168 @@
+"""The mixed-precision step, one bucket at a time, through a constant-size fp32 scratch.
+
+[Note: chunked fp32 gradients]
+Under bf16/fp16 the optimizer needs the owned gradient in fp32, divided by the loss scale (and
+multiplied by the clip coefficient). Materialising it whole would allocate 4Ψ (stage 0) or 4Ψ/N
+bytes at every step: ZeRO-R's M_D rule says no per-step model-sized allocation. Instead one
+fp32 *scratch* of the largest chunk is allocated once, at ``initialize``, and the owned gradient
+is processed in chunks: a chunk is one bucket's owned slice (stages 1-3; stage 3: a unit's shard)
+or one whole bucket (stage 0), so the scratch is bounded by ``bucket_bytes`` (or a stage-3
+unit's shard), not by the model. Every optimizer piece lies in one bucket, hence in one chunk.
+Filling the scratch for a chunk is always the same: upcast the reduced compute-dtype gradient,
+multiply by 1/loss_scale, then by each clip coefficient of this step, in order.
+
+- ``check_finite`` (pass 1, ``finish_gradients``): fill each chunk and accumulate the non-finite
+  flag with ``torch._amp_foreach_non_finite_check_and_unscale_`` (inverse scale 1: a check only)
+  into a persistent one-element tensor: nothing proportional to the chunk is allocated;
+- ``clip`` (``clip_grad_norm_``): fill each chunk, ``torch._foreach_norm`` of its used pieces;
+  the per-piece norms are combined exactly as ``optim/clip.py`` does for fp32;
+- ``step``: fill each chunk, point ``.grad`` of that chunk's used pieces at views of the scratch
+  (every other piece's ``.grad`` is ``None``), call the inner optimizer's ``step``, clear them.
+  An element-wise optimizer steps each piece exactly once per step, with exactly the values the
+  whole fp32 gradient would have given it: results are bitwise those of the unchunked step.
+
+The inner optimizer's ``step`` therefore runs once per chunk that has a used piece (a hook
+registered on the inner optimizer runs that often; ``ZeroOptimizer``'s own hooks run once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.comm import Communicator
+from zerodp.optim.clip import clip_coefficient, combine_norms
+from zerodp.optim.masters import ReducedGrads
+from zerodp.optim.pieces import OptimPiece
+from zerodp.partition.segment import Segment, flat_view
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    seg: int
+    bucket: int
+    numel: int
+    pieces: tuple[tuple[int, int, int], ...]  # (index in pieces, offset in chunk, numel)
+
+
+class ChunkedGrads:
+    """See [Note: chunked fp32 gradients]."""
+
+    def __init__(
+        self, segments: list[Segment], pieces: list[OptimPiece], *, sharded: bool, rank: int
+    ) -> None:
+        self.segments = segments
+        self.pieces = pieces
+        self.sharded = sharded  # owned gradient in shard coordinates (stages 1-3)
+        self.rank = rank
+        by_bucket: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for k, op in enumerate(pieces):
+            base = self._base(segments[op.seg], op.piece.bucket)
+            pos = op.piece.shard_offset if sharded else op.piece.flat_range.start
+            entry = (k, pos - base, op.piece.flat_range.numel)
+            by_bucket.setdefault((op.seg, op.piece.bucket), []).append(entry)
+        self.chunks: list[Chunk] = []
+        for i, seg in enumerate(segments):
+            for b, bucket in enumerate(seg.layout.buckets):
+                numel = bucket.numel // seg.layout.world_size if sharded else bucket.numel
+                self.chunks.append(Chunk(i, b, numel, tuple(by_bucket.get((i, b), ()))))
+        device = segments[0].device if segments else torch.device("cpu")
+        size = max((c.numel for c in self.chunks), default=0)
+        self.scratch = torch.empty(size, dtype=torch.float32, device=device)
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
+        self.coefs: list[torch.Tensor] = []  # clip coefficients applied this step, in order
+
+    def _base(self, seg: Segment, b: int) -> int:
+        lay = seg.layout
+        return lay.bucket_shard_offset(b) if self.sharded else lay.buckets[b].start
+
+    def _source(self, reducer: ReducedGrads, c: Chunk) -> torch.Tensor:
+        """The chunk's reduced gradient (compute dtype, or fp32 for fp32-kept segments)."""
+        seg = self.segments[c.seg]
+        storage, is_shard = reducer.grad_storage(c.seg)
+        if is_shard:
+            return storage.narrow(0, seg.layout.bucket_shard_offset(c.bucket), c.numel)
+        if self.sharded:
+            return flat_view(storage, seg.layout.bucket_shard(c.bucket, self.rank))
+        return flat_view(storage, seg.layout.buckets[c.bucket])
+
+    def _fill(self, reducer: ReducedGrads, c: Chunk, scale: float) -> torch.Tensor:
+        buf = self.scratch.narrow(0, 0, c.numel)
+        buf.copy_(self._source(reducer, c))
+        if scale != 1.0:
+            buf.mul_(scale)
+        for coef in self.coefs:
+            buf.mul_(coef)
+        return buf
+
+    def check_finite(self, reducer: ReducedGrads, scale: float) -> bool:
+        """Whether some owned gradient element is not finite (after unscaling)."""
+        self._found_inf.zero_()
+        for c in self.chunks:
+            buf = self._fill(reducer, c, scale)
+            torch._amp_foreach_non_finite_check_and_unscale_([buf], self._found_inf, self._one)
+        return bool(self._found_inf.item())
+
+    def clip(
+        self,
+        reducer: ReducedGrads,
+        scale: float,
+        used: list[list[bool]],
+        max_norm: float,
+        norm_type: float,
+        comm: Communicator,
+    ) -> torch.Tensor:
+        """``clip_grad_norm`` over the used pieces' fp32 gradients; the coefficient is applied
+        whenever a chunk is filled from now until the end of the step."""
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"norm_type must be positive or inf; got {norm_type}")
+        norms: list[torch.Tensor | None] = [None] * len(self.pieces)
+        for c in self.chunks:
+            mine = [(k, off, n) for k, off, n in c.pieces if self._used(k, used)]
+            if not mine:
+                continue
+            buf = self._fill(reducer, c, scale)
+            views = [buf.narrow(0, off, n) for _, off, n in mine]
+            for (k, _, _), norm in zip(mine, torch._foreach_norm(views, norm_type), strict=True):
+                norms[k] = norm
+        local = [n for n in norms if n is not None]
+        total = combine_norms(
+            local, norm_type, comm, sharded=self.sharded, device=self.scratch.device
+        )
+        self.coefs.append(clip_coefficient(total, max_norm))
+        return total
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: ReducedGrads,
+        scale: float,
+        used: list[list[bool]],
+    ) -> None:
+        """Step ``optimizer`` chunk by chunk (see the note)."""
+        for c in self.chunks:
+            mine = [(k, off, n) for k, off, n in c.pieces if self._used(k, used)]
+            if not mine:
+                continue
+            buf = self._fill(reducer, c, scale)
+            for k, off, n in mine:
+                self.pieces[k].tensor.grad = buf.narrow(0, off, n)
+            try:
+                optimizer.step()
+            finally:
+                for k, _, _ in mine:
+                    self.pieces[k].tensor.grad = None
+
+    def _used(self, k: int, used: list[list[bool]]) -> bool:
+        op = self.pieces[k]
+        return used[op.seg][op.slot]
+
+    def reset(self) -> None:
+        self.coefs = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.scratch.numel() * self.scratch.element_size()
