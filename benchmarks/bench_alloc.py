@@ -184,14 +184,7 @@ def _build(config: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
 
         def ddp_step(x: Any, y: Any, trace: AllocationTrace) -> None:
-            with trace.phase("zero_grad"):
-                opt.zero_grad()
-            with trace.phase("forward"):
-                _, loss = ddp(x, y)
-            with trace.phase("backward"):
-                loss.backward()
-            with trace.phase("step"):
-                opt.step()
+            trace.step(opt.zero_grad, lambda: ddp(x, y)[1], lambda loss: loss.backward(), opt.step)
 
         return ddp, opt, ddp_step
     cfg = zerodp.ZeroConfig(
@@ -200,14 +193,7 @@ def _build(config: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     model, zopt = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
 
     def zero_step(x: Any, y: Any, trace: AllocationTrace) -> None:
-        with trace.phase("zero_grad"):
-            zopt.zero_grad()
-        with trace.phase("forward"):
-            _, loss = model(x, y)
-        with trace.phase("backward"):
-            zopt.backward(loss)
-        with trace.phase("step"):
-            zopt.step()
+        trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step)
 
     return model, zopt, zero_step
 

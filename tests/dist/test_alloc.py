@@ -67,14 +67,7 @@ def case_steps(stage: int, precision: str) -> dict[str, Any]:
     steps = []
     for _ in range(WARMUP + STEADY):
         with AllocationTrace() as trace:
-            with trace.phase("zero_grad"):
-                zopt.zero_grad()
-            with trace.phase("forward"):
-                _, loss = model(x, y)
-            with trace.phase("backward"):
-                zopt.backward(loss)
-            with trace.phase("step"):
-                zopt.step()
+            trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step)
         allocs = trace.allocations
         engine = [a for a in allocs if a.phase in ("zero_grad", "step")]
         steps.append(

@@ -15,19 +15,25 @@ CONFIGS = ["ddp", "plain", "zero2", "zero3", "fsdp2"]
 TIMEOUT_S = 120  # ~10 s on 2 idle cores; generous for a loaded machine
 
 
-def test_bench_tiny_two_ranks(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    args = ["--preset", "tiny", "--world-size", "2", "--steps", "2", "--warmup", "1"]
-    args += ["--batch", "2", "--threads", "1", "--configs", ",".join(CONFIGS), "--json", str(out)]
+def _bench(cwd: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``zerodp bench ARGS`` in a fresh interpreter; fails the test unless it exits 0."""
     proc = subprocess.run(
         [sys.executable, "-m", "zerodp.cli.main", "bench", *args],
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         check=False,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_bench_tiny_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--preset", "tiny", "--world-size", "2", "--steps", "2", "--warmup", "1"]
+    args += ["--batch", "2", "--threads", "1", "--configs", ",".join(CONFIGS), "--json", str(out)]
+    proc = _bench(tmp_path, args)
     assert "| config | system | median ms |" in proc.stdout
 
     report = json.loads(out.read_text())
@@ -60,15 +66,7 @@ def test_bench_plain_one_rank(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--world-size", "1", "--steps", "1", "--warmup", "1"]
     args += ["--batch", "2", "--threads", "1", "--configs", "ddp,plain,zero2", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerodp.cli.main", "bench", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    _bench(tmp_path, args)
     configs = json.loads(out.read_text())["configs"]
     assert configs["plain"]["status"] == "ok", configs["plain"]
     # The same arithmetic as DDP over one rank (same AdamW kernel): identical parameters.

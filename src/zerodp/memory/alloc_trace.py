@@ -19,7 +19,7 @@ was running when it happened); allocations outside every phase have phase ``None
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -81,6 +81,24 @@ class AllocationTrace:
         from torch.profiler import record_function
 
         return record_function(_PHASE_PREFIX + name)
+
+    def step(
+        self,
+        zero_grad: Callable[[], Any],
+        forward: Callable[[], torch.Tensor],
+        backward: Callable[[torch.Tensor], Any],
+        step: Callable[[], Any],
+    ) -> None:
+        """One training step, each of its four phases traced under its name; ``forward``
+        returns the loss that ``backward`` takes."""
+        with self.phase("zero_grad"):
+            zero_grad()
+        with self.phase("forward"):
+            loss = forward()
+        with self.phase("backward"):
+            backward(loss)
+        with self.phase("step"):
+            step()
 
     @property
     def sizes(self) -> list[int]:
