@@ -161,7 +161,8 @@ class GradReducer:
     def _reset_backward(self) -> None:
         self._pending = [len(b.slots) for b in self.buckets]
         # Stage 2: buckets of each parameter not copied to staging yet; its .grad is freed at 0.
-        self._unstaged = [[len(b) for b in seg] for seg in self._slot_buckets]
+        staged = self.mode is ReduceMode.SCATTER_STAGED
+        self._unstaged = [[len(b) for b in seg] for seg in self._slot_buckets] if staged else []
         self._next = 0
         self._callback_queued = False
 
