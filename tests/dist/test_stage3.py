@@ -451,3 +451,58 @@ def test_units_that_differ_across_ranks_are_refused(world):
         assert msg.startswith("zerodp.initialize: rank 1 chose other stage-3 units than rank 0"), (
             msg
         )
+
+
+def case_order_check_exchanges() -> list[int]:
+    """Exchanges of the unit-order check per step (``OrderCheck.calls``)."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = Stack()
+    model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _cfg())
+    check = opt.engine.params.check
+    per_step = []
+    for step in range(3):
+        before = check.calls
+        x, y = batches(step, world, 3, [(8,), (8,)])[rank]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(check.calls - before)
+    return per_step
+
+
+def test_order_check_agrees_on_each_backward_hook_once(world):
+    """4 block units, depth 1. Forward: one exchange per unit (its gather, then each prefetch).
+    Backward: the last block's gather with the prefetch of the one before it; then at each
+    block's hook the reduce-scatter of the block after it with the next prefetch; the last
+    reduce-scatters at the end of backward; then the step: 4 + 5 + 1 = 10 (one exchange per
+    collective would be 4 + 8 + 1 = 13)."""
+    for per_step in world(2).run(case_order_check_exchanges, timeout=TIMEOUT):
+        assert per_step == [10, 10, 10], per_step
+
+
+def case_backward_divergence() -> str:
+    """Same forward everywhere, but rank 1's loss reads block 1's output: its backward starts at
+    another unit, so the first backward hook plans different collectives on the two ranks."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = Stack()
+    model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _cfg())
+    mids: list[torch.Tensor] = []
+    model.blocks[1].register_forward_hook(lambda m, a, out: mids.append(out))
+    x, y = batches(0, world, 3, [(8,), (8,)])[rank]
+    try:
+        out = model(x)
+        F.mse_loss(out if rank == 0 else mids[-1], y).backward()
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "finished"
+
+
+def test_backward_divergence_raises_everywhere(world):
+    messages = world(2).run(case_backward_divergence, timeout=TIMEOUT)
+    assert len(set(messages)) == 1, messages
+    msg = messages[0]
+    assert msg.startswith("zerodp stage 3: ranks diverged at a parameter collective"), msg
+    assert "rank 0 all-gathers 'blocks.3'; rank 1 all-gathers 'blocks.1'" in msg, msg

@@ -16,7 +16,10 @@ Backward:
   post-backward (``PostBackward``, an identity autograd function on the unit's inputs; runs once
          the gradients w.r.t. the inputs exist, i.e. after the unit's backward, and after the
          ``AccumulateGrad`` of its parameters, which the engine runs first): after the last call
-         of the unit, reduce-scatter its gradients and release it.
+         of the unit, release it and queue its reduce-scatter, which the next hook that issues
+         collectives (in practice the pre-backward hook of the unit before it, which fires right
+         after) issues first, under one order check with its own gathers (``approve``: one
+         rank-synchronising check per hook instead of two).
   grad ready (a parameter's post-accumulate-grad hook): an attached unit that was only read on
          demand (its module's forward did not run) is reduce-scattered and released once every
          one of its parameters has its gradient (each has one AccumulateGrad per backward, run
@@ -42,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.params.order import OrderCheck
+from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
 from zerodp.params.tree import map_tensors, tensors_in
@@ -91,6 +94,7 @@ class Schedule:
         self.persistent_seg_ids = persistent_seg_ids
         self.trace = trace
         self._prefetched: list[Unit] = []
+        self._deferred: list[Unit] = []  # backward done, reduce-scatter not issued yet
         self._backward_open = False
         self._handles: list[Any] = []
 
@@ -159,10 +163,16 @@ class Schedule:
         if unit.in_backward or unit.reduced:  # several outputs, or a unit called twice
             return
         unit.in_backward = True
+        upcoming = self.bwd.visit(unit.index) if unit.segments else []
+        wanted = [self.units[i] for i in upcoming]
+        plan = self._deferred_plan() + Gatherer.start_plan(unit)
+        plan += [op for u in wanted for op in Gatherer.start_plan(u)]
+        self.check.approve(plan)
+        self._flush_deferred()
         self._use(unit)
         self.trace("backward", unit)
         if unit.segments:
-            self._prefetch(self.bwd.visit(unit.index))
+            self._prefetch_units(wanted)
 
     def post_backward(self, unit: Unit) -> None:
         self._open_backward()
@@ -170,7 +180,8 @@ class Schedule:
         if unit.pending_post_backward > 0:  # an earlier call of the unit is still to come
             return
         if self.grads.sync_enabled and not unit.reduced:
-            self._reduce(unit)
+            unit.reduced = True  # issued by the next hook that issues collectives
+            self._deferred.append(unit)
         unit.in_backward = False
         self.trace("backward_end", unit)
         self.maybe_release(unit)
@@ -193,6 +204,8 @@ class Schedule:
             # in the root's forward): no module hook tells when its backward is done, but its
             # gradients are complete once each parameter's (single) AccumulateGrad ran. Reduce
             # and release it now rather than at the end of backward.
+            self.check.approve(self._deferred_plan() + self._reduce_plan(unit))
+            self._flush_deferred()
             self._reduce(unit)
             unit.borrowed = False
             self.maybe_release(unit)
@@ -207,9 +220,13 @@ class Schedule:
     def _end_backward(self) -> None:
         self._backward_open = False
         if self.grads.sync_enabled:
-            for unit in self.units:
-                if not unit.reduced:
-                    self._reduce(unit)
+            rest = [u for u in self.units if not u.reduced]
+            plan = self._deferred_plan() + [op for u in rest for op in self._reduce_plan(u)]
+            plan += [op for i in self.persistent_seg_ids for op in self.grads.reduce_plan(i)]
+            self.check.approve(plan)
+            self._flush_deferred()
+            for unit in rest:
+                self._reduce(unit)
             for i in self.persistent_seg_ids:
                 self.grads.reduce(i)
             self.grads.end_round()
@@ -222,6 +239,17 @@ class Schedule:
         unit.reduced = True
         if unit.segments:
             self.trace("reduce", unit)
+
+    def _reduce_plan(self, unit: Unit) -> list[tuple[Op, int]]:
+        return [op for i in unit.seg_ids for op in self.grads.reduce_plan(i)]
+
+    def _deferred_plan(self) -> list[tuple[Op, int]]:
+        return [op for u in self._deferred for op in self._reduce_plan(u)]
+
+    def _flush_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for unit in deferred:
+            self._reduce(unit)
 
     # -- holding and releasing -----------------------------------------------------------------
 
@@ -253,9 +281,11 @@ class Schedule:
         self.gatherer.unshard(unit)
 
     def _prefetch(self, upcoming: list[int]) -> None:
+        self._prefetch_units([self.units[i] for i in upcoming])
+
+    def _prefetch_units(self, wanted: list[Unit]) -> None:
         """Release prefetches that are no longer expected (the bound on gathered memory counts
-        ``depth`` of them), then start the gathers of ``upcoming``."""
-        wanted = [self.units[i] for i in upcoming]
+        ``depth`` of them), then start the gathers of ``wanted``."""
         self._drop_prefetches(wanted)
         for unit in wanted:
             if unit.state is UnitState.RELEASED:
@@ -277,6 +307,7 @@ class Schedule:
         """Forget per-step holds (end of backward, or the step / a checkpoint load with stale
         gathered copies) and release every unit nobody holds."""
         self._prefetched.clear()
+        self._deferred.clear()
         for unit in self.units:
             unit.reduced = False
             unit.in_backward = False

@@ -85,6 +85,12 @@ class ShardedGrads:
 
     # -- launching (called by the schedule) ----------------------------------------------------
 
+    def reduce_plan(self, seg_id: int) -> list[tuple[Op, int]]:
+        """The checked collectives ``reduce(seg_id)`` will issue (``OrderCheck.approve``)."""
+        if not self.segments[seg_id].layout.buckets:
+            return []
+        return [(Op.REDUCE, self.check_ids[seg_id])]
+
     def reduce(self, seg_id: int) -> None:
         seg = self.segments[seg_id]
         if not seg.layout.buckets:

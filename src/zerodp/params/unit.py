@@ -105,6 +105,13 @@ class Gatherer:
         self.gathered_bytes = 0
         self.peak_bytes = 0
 
+    @staticmethod
+    def start_plan(unit: Unit) -> list[tuple[Op, int]]:
+        """The checked collective ``start(unit)`` will issue (``OrderCheck.approve``)."""
+        if unit.state is UnitState.RELEASED and unit.segments:
+            return [(Op.GATHER, unit.index)]
+        return []
+
     def start(self, unit: Unit) -> None:
         """RELEASED -> GATHERING: allocate the full buffers and launch the all-gathers."""
         if unit.state is not UnitState.RELEASED:
