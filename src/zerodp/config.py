@@ -115,7 +115,7 @@ class ZeroConfig:
     check_unit_order: bool = True
     """Stage 3: before each parameter collective, check (one tiny all-gather) that every rank is
     about to do the same, so that ranks running different units raise a clear error instead of
-    hanging. Costs a small blocking collective, about 3 per unit per step."""
+    hanging. Costs a small blocking collective, about 2 per unit per step."""
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, STAGES)
