@@ -22,17 +22,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "VOCAB_SIZE",
-    "BatchSampler",
-    "corpus_files",
-    "decode",
-    "encode",
-    "load_corpus",
-    "train_val_split",
-]
-
 VOCAB_SIZE = 256
 """Byte-level tokens."""
 

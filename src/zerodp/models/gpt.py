@@ -27,18 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "GPT",
-    "MLP",
-    "PRESETS",
-    "Block",
-    "CausalSelfAttention",
-    "GPTConfig",
-    "generate",
-    "get_config",
-    "num_parameters",
-]
-
 INIT_STD = 0.02
 """Standard deviation of the GPT-2 normal initialisation of weights and embeddings."""
 
