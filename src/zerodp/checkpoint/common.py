@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
 from zerodp.checkpoint.manifest import CheckpointError
-from zerodp.comm import CommLedger, Communicator
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
@@ -35,18 +33,6 @@ def engine_of(model: nn.Module, opt: Any) -> ZeroEngine:
     # Checkpoints read and write the owned slices a deferred gather may still be sending.
     result.wait_params()
     return result
-
-
-@contextmanager
-def quiet_ledger(comm: Communicator) -> Iterator[None]:
-    """Record a checkpoint's collectives in a throwaway ledger: they are not training traffic
-    and must not show up in the next step's ``comm_stats``."""
-    saved = comm.ledger
-    comm.ledger = CommLedger()
-    try:
-        yield
-    finally:
-        comm.ledger = saved
 
 
 def attempt(fn: Callable[[], T]) -> tuple[T | None, str]:

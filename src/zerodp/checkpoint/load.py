@@ -26,7 +26,6 @@ from zerodp.checkpoint.checks import check_file, check_manifest, compare_structu
 from zerodp.checkpoint.common import (
     attempt,
     engine_of,
-    quiet_ledger,
     raise_if_any,
     state_dict_entries,
 )
@@ -79,7 +78,7 @@ def load_checkpoint(
     engine = engine_of(model, opt)
     comm = engine.comm
     header = f"cannot load checkpoint {directory}; nothing was changed:"
-    with quiet_ledger(comm):
+    with comm.untracked():
         mine = sorted({op.name for op in engine.pieces})
         optimized = set().union(*comm.all_gather_object(mine))
         plan, error = attempt(lambda: _validate(directory, model, engine, allow_reshard, optimized))
@@ -301,7 +300,7 @@ def load_model_state_dict(
     change."""
     engine = engine_of(model, opt)
     found, error = attempt(lambda: _match_state_dict(model, state_dict, strict))
-    with quiet_ledger(engine.comm):
+    with engine.comm.untracked():
         raise_if_any(engine.comm.all_gather_object(error), "load_model_state_dict failed:")
         assert found is not None
         with torch.no_grad():

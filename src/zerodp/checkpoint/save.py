@@ -25,7 +25,6 @@ from zerodp.checkpoint import rng
 from zerodp.checkpoint.common import (
     attempt,
     engine_of,
-    quiet_ledger,
     raise_if_any,
     state_dict_entries,
 )
@@ -89,7 +88,7 @@ def save_checkpoint(
     root = Path(directory)
     name = fs.step_dir_name(engine.steps)
     header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
-    with quiet_ledger(comm):
+    with comm.untracked():
         prep, error = attempt(lambda: _prepare(engine, extra, keep_last))
         tmp = None
         if comm.rank == 0 and not error:

@@ -11,7 +11,8 @@ import atexit
 import datetime
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,17 @@ class Communicator:
         if self.backend == "nccl":
             return ("cuda",)
         return ("cpu", "cuda")  # unknown third-party backend: let it try
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Record the block's collectives in a throwaway ledger: checkpoint I/O and gathers for
+        inspection are not training traffic and must not show up in ``comm_stats``."""
+        saved = self.ledger
+        self.ledger = CommLedger()
+        try:
+            yield
+        finally:
+            self.ledger = saved
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group else group_rank

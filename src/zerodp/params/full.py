@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerodp.comm import CommLedger, Communicator
+from zerodp.comm import Communicator
 from zerodp.params.segment import ShardedSegment
 from zerodp.params.unit import Unit
 from zerodp.partition.segment import Segment, flat_view
@@ -59,7 +59,7 @@ def full_parameters(
     sharded = engine.params
     units = sharded.units_of(modules) if sharded is not None else []
     segs = _segments_of(engine, modules)
-    with _quiet(engine.comm):
+    with engine.comm.untracked():
         if sharded is not None:
             sharded.pin(units)
     ok = False
@@ -67,7 +67,7 @@ def full_parameters(
         yield
         ok = True
     finally:
-        with _quiet(engine.comm):
+        with engine.comm.untracked():
             if ok and writeback:
                 write_back(engine.comm, engine.masters, segs, rank)
                 if rank is not None:
@@ -132,17 +132,6 @@ def _broadcast_frozen(engine: ZeroEngine, modules: Sequence[nn.Module] | None, r
                 engine.comm.broadcast(p.data, src=rank)
 
 
-@contextmanager
-def _quiet(comm: Communicator) -> Iterator[None]:
-    """Gathers for inspection are not training traffic: keep them out of ``comm_stats``."""
-    saved = comm.ledger
-    comm.ledger = CommLedger()
-    try:
-        yield
-    finally:
-        comm.ledger = saved
-
-
 # -- state_dict / load_state_dict ---------------------------------------------------------------
 
 
@@ -169,13 +158,13 @@ class StateDictHooks:
             ]
 
     def _pin(self, key: int, units: list[Unit]) -> None:
-        with _quiet(self.comm):
+        with self.comm.untracked():
             self.sharded.pin(units)
         self._stack.setdefault(key, []).append(units)
 
     def _unpin(self, key: int, writeback: bool) -> None:
         units = self._stack[key].pop()
-        with _quiet(self.comm):
+        with self.comm.untracked():
             if writeback:
                 outermost = [u for u in units if u.pinned == 1]
                 segs = [
