@@ -19,6 +19,7 @@ from zerotest import (
     build,
     full,
     make_pair,
+    mse,
     rank_world,
     reference_step,
 )
@@ -33,14 +34,6 @@ def _cfg(stage: int) -> zerodp.ZeroConfig:
     # Stage 3: every layer is a unit (these models are too small for the default policy).
     units = ("Linear", "BatchNorm1d") if stage == 3 else ()
     return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units)
-
-
-def _mse(data):
-    def loss(m: nn.Module, r: int) -> torch.Tensor:
-        x, y = data[r]
-        return F.mse_loss(m(x), y)
-
-    return loss
 
 
 class BN(nn.Module):
@@ -86,12 +79,12 @@ def case_accumulation(stage: int) -> dict:
     silent = []
     for step in range(3):
         micro = [batches(100 * step + k, world, 2, [(7,), (5,)]) for k in range(3)]
-        total = sum(_mse(d)(pair.ref, r) for d in micro for r in range(world)) / (3 * world)
+        total = sum(mse(d)(pair.ref, r) for d in micro for r in range(world)) / (3 * world)
         total.backward()
         pair.ref_opt.step()
         pair.ref_opt.zero_grad()
         for k, data in enumerate(micro):
-            loss = _mse(data)(pair.model, rank) / 3
+            loss = mse(data)(pair.model, rank) / 3
             if k < 2:
                 with pair.model.no_sync():
                     loss.backward()
@@ -113,11 +106,11 @@ def case_clipping(stage: int, norm_type: float) -> list[float]:
     norms = []
     for step in range(3):
         data = batches(step, world, 3, [(7,), (5,)])
-        reference_step(pair, _mse(data), world, step=False)
+        reference_step(pair, mse(data), world, step=False)
         ref_norm = torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 0.05, norm_type)
         pair.ref_opt.step()
         pair.ref_opt.zero_grad()
-        _mse(data)(pair.model, rank).backward()
+        mse(data)(pair.model, rank).backward()
         norm = pair.opt.clip_grad_norm_(0.05, norm_type)
         rel = abs(norm.item() - ref_norm.item()) / ref_norm.item()
         assert rel <= 1e-6, f"norm {norm.item()} vs reference {ref_norm.item()}"
@@ -137,9 +130,9 @@ def case_scheduler(stage: int) -> list[float]:
     lrs = []
     for step in range(4):
         data = batches(step, world, 3, [(7,), (5,)])
-        reference_step(pair, _mse(data), world)
+        reference_step(pair, mse(data), world)
         ref_sched.step()
-        _mse(data)(pair.model, rank).backward()
+        mse(data)(pair.model, rank).backward()
         pair.opt.step()
         pair.opt.zero_grad()
         sched.step()
@@ -206,8 +199,8 @@ def case_subgroups(stage: int) -> float:
     pair = make_pair(MLP, adamw_two_groups, _cfg(stage), process_group=mine, seed=rank // 2)
     for step in range(3):
         data = batches(1000 * (rank // 2) + step, 2, 3, [(7,), (5,)])
-        reference_step(pair, _mse(data), 2)
-        _mse(data)(pair.model, local_rank).backward()
+        reference_step(pair, mse(data), 2)
+        mse(data)(pair.model, local_rank).backward()
         pair.opt.step()
         pair.opt.zero_grad()
         err = assert_close(pair.model, pair.ref, what=f"subgroup step {step}")

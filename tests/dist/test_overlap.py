@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zerotest import assert_close, batches, build, make_pair, rank_world, reference_step
+from zerotest import assert_close, batches, build, make_pair, mse, rank_world, synced_step
 
 import zerodp
 
@@ -176,16 +176,7 @@ def case_launch_order(stage: int) -> list[int]:
         lambda p: launched.append(reducer._next)
     )
     for step in range(3):
-        data = batches(step, world, 4, [(WIDTH,), (WIDTH,)])
-
-        def loss(m: nn.Module, r: int, data=data) -> torch.Tensor:
-            x, y = data[r]
-            return F.mse_loss(m(x), y)
-
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
-        reference_step(pair, loss, world)
+        synced_step(pair, mse(batches(step, world, 4, [(WIDTH,), (WIDTH,)])), world, rank)
         assert_close(pair.model, pair.ref, what=f"stage {stage} step {step}")
     return launched
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zerotest import MLP, batches, build, full, rank_world
+from zerotest import MLP, batches, build, full, mse, rank_world
 
 import zerodp
 from zerodp.optim.pieces import select_fused
@@ -78,14 +78,6 @@ def _cast_inputs(dtype: torch.dtype):
     return hook
 
 
-def _mse(data):
-    def loss(m: nn.Module, r: int) -> torch.Tensor:
-        x, y = data[r]
-        return F.mse_loss(m(x).float(), y)
-
-    return loss
-
-
 def _cfg(stage: int, precision: str, **kw) -> zerodp.ZeroConfig:
     if stage == 3:  # each Linear its own unit (the default policy makes MLP one root unit)
         kw.setdefault("unit_classes", ("Linear",))
@@ -112,8 +104,8 @@ def case_emulation(stage: int, precision: str) -> float:
     worst = 0.0
     for step in range(4):
         data = batches(step, world, 3, [(7,), (5,)])
-        emu.step(_mse(data))
-        opt.backward(_mse(data)(model, rank))
+        emu.step(mse(data))
+        opt.backward(mse(data)(model, rank))
         opt.step()
         opt.zero_grad()
         assert opt.last_step is not None and not opt.last_step.skipped, "unexpected skip"
@@ -152,11 +144,11 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
         with full(model):
             before = [p.detach().clone() for p in model.parameters()]
         state_before = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state.items()}
-        loss = _mse(data)(model, rank)
+        loss = mse(data)(model, rank)
         if rank in poison.get(step, ()):
             loss = loss * float("inf")
         emu.scale = opt.loss_scale
-        stepped = emu.step(_mse(data), poison.get(step, set()))
+        stepped = emu.step(mse(data), poison.get(step, set()))
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -267,11 +259,11 @@ def case_clip_true_norm(stage: int) -> float:
     sums = []
     for r in range(world):
         ref.compute.zero_grad()
-        (_mse(data)(ref.compute, r) * ref.scale).backward()
+        (mse(data)(ref.compute, r) * ref.scale).backward()
         sums.append([p.grad.float() for p in ref.compute.parameters()])
     grads = [sum(g[i] for g in sums) / world / ref.scale for i in range(len(sums[0]))]
     want = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
-    opt.backward(_mse(data)(model, rank))
+    opt.backward(mse(data)(model, rank))
     norm = opt.clip_grad_norm_(1e-3).item()
     opt.step()
     assert opt.last_step is not None and opt.last_step.grad_norm == norm

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from zerotest import (
-    MLP,
     Branchy,
+    MLP,
     OddSizes,
     Tied,
     adamw_two_groups,
@@ -20,9 +20,11 @@ from zerotest import (
     batches,
     full,
     make_pair,
+    mse,
     rank_world,
     reference_step,
     sgd_momentum,
+    synced_step,
 )
 
 import zerodp
@@ -49,16 +51,7 @@ def _train_mlp(stage: int, opt_name: str, factory=MLP, d_in: int = 7, d_out: int
     pair = make_pair(factory, OPTIMIZERS[opt_name], _cfg(stage))
     worst = 0.0
     for step in range(STEPS):
-        data = batches(step, world, 3, [(d_in,), (d_out,)])
-
-        def loss(m: nn.Module, r: int, data=data) -> torch.Tensor:
-            x, y = data[r]
-            return F.mse_loss(m(x), y)
-
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, mse(batches(step, world, 3, [(d_in,), (d_out,)])), world, rank)
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
     return worst
 
@@ -97,10 +90,7 @@ def case_tied(stage: int) -> float:
         def loss(m: nn.Module, r: int, idx=idx, tgt=tgt) -> torch.Tensor:
             return F.cross_entropy(m(idx[r]), tgt[r])
 
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, loss, world, rank)
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"tied step {step}"))
     return worst
 
@@ -122,10 +112,7 @@ def case_unused(stage: int) -> float:
             x, y = data[r]
             return F.mse_loss(m(x, use_branch=(r == 0)), y)
 
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, loss, world, rank)
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"unused step {step}"))
     with full(pair.model):
         assert torch.equal(pair.model.never.weight, before), "an unused parameter was updated"
@@ -146,16 +133,7 @@ def case_frozen(stage: int) -> dict:
     pair = make_pair(factory, adamw_two_groups, _cfg(stage))
     frozen_before = pair.model.fc1.weight.detach().clone()
     for step in range(STEPS):
-        data = batches(step, world, 3, [(7,), (5,)])
-
-        def loss(m: nn.Module, r: int, data=data) -> torch.Tensor:
-            x, y = data[r]
-            return F.mse_loss(m(x), y)
-
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, mse(batches(step, world, 3, [(7,), (5,)])), world, rank)
         assert_close(pair.model, pair.ref, what=f"frozen step {step}")
     assert torch.equal(pair.model.fc1.weight, frozen_before), "a frozen parameter changed"
     assert pair.model.fc1.weight.grad is None, "a frozen parameter got a gradient"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 
@@ -124,6 +125,26 @@ def reference_step(
         pair.ref_opt.step()
         pair.ref_opt.zero_grad()
     return total
+
+
+def mse(data: list) -> Callable[[nn.Module, int], torch.Tensor]:
+    """Rank r's loss on ``data[r] = (x, y)`` (fp32, whatever the model's output dtype)."""
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        x, y = data[r]
+        return F.mse_loss(m(x).float(), y)
+
+    return loss
+
+
+def synced_step(
+    pair: Pair, losses: Callable[[nn.Module, int], torch.Tensor], world: int, rank: int
+) -> None:
+    """One step of the zerodp model on this rank's loss and of the reference on the mean."""
+    reference_step(pair, losses, world)
+    losses(pair.model, rank).backward()
+    pair.opt.step()
+    pair.opt.zero_grad()
 
 
 def full(model: nn.Module) -> contextlib.AbstractContextManager[None]:
