@@ -10,10 +10,11 @@ from torch import nn
 
 from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
-from zerodp.module import attach
+from zerodp.module import attach, zero_class
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.params.manager import Stage3Options
 from zerodp.params.policy import UnitPolicy
+from zerodp.snapshot import InitSnapshot
 
 
 def initialize(
@@ -33,6 +34,8 @@ def initialize(
     every rank. The returned ``ZeroOptimizer`` replaces ``optimizer`` (which is rebound to this
     rank's shard; do not step it directly). Every rank must call this with the same config and
     the same model structure; otherwise every rank raises ``ValueError`` naming the difference.
+    On any error the model, its class, its parameters and the optimizer are left exactly as
+    they were ([Note: initialize is all or nothing] in ``zerodp/snapshot.py``).
 
     ``process_group`` is the data-parallel group (default: the whole world), e.g. one
     dimension of a larger device mesh.
@@ -57,6 +60,13 @@ def initialize(
     if config.stage != 3 and (unit_policy is not None or init_fn is not None or device is not None):
         raise ValueError("unit_policy, init_fn and device apply to ZeroConfig(stage=3) only")
     stage3 = Stage3Options(unit_policy, init_fn, torch.device(device) if device else None)
-    engine = ZeroEngine(model, optimizer, config, process_group, stage3)
-    attach(model, engine)
-    return model, ZeroOptimizer(engine)
+    zcls = zero_class(type(model))  # before any change: it may fail
+    snapshot = InitSnapshot.take(model, optimizer)
+    try:  # [Note: initialize is all or nothing] in snapshot.py
+        engine = ZeroEngine(model, optimizer, config, process_group, stage3)
+        zopt = ZeroOptimizer(engine)
+        attach(model, engine, zcls)
+    except BaseException:
+        snapshot.restore()
+        raise
+    return model, zopt

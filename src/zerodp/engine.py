@@ -101,7 +101,7 @@ class ZeroEngine:
             self.segments = self.params.segments
         else:
             self.segments = self._build_segments(trainable)
-        self._broadcast_from_rank0()
+            self._broadcast_segments()
         plan = self.plan
         self.masters = Masters(
             self.segments, separate=plan.mixed, sharded=plan.shard_optimizer, rank=self.comm.rank
@@ -142,6 +142,9 @@ class ZeroEngine:
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self._grad_norm: float | None = None
         self._scaled_backward = False
+        # Last: the one in-place write to the user's tensors ([Note: initialize is all or
+        # nothing] in snapshot.py); nothing after it can fail.
+        self._broadcast_frozen_and_buffers()
         self.init_comm = self.comm.ledger.end_step()
         self.comm.ledger.steps.clear()
 
@@ -169,14 +172,21 @@ class ZeroEngine:
             segments.append(Segment.build(i, layout, [p for _, p in items], [n for n, _ in items]))
         return segments
 
-    def _broadcast_from_rank0(self) -> None:
-        """Start from rank 0's parameters and buffers, as DDP does."""
+    def _broadcast_segments(self) -> None:
+        """Start from rank 0's trainable parameters, as DDP does (stage 3 broadcasts units while
+        it builds them)."""
         if self.comm.world_size == 1:
             return
         with torch.no_grad():
-            if self.params is None:  # [stage 3] units were broadcast while being built
-                for seg in self.segments:
-                    self.comm.broadcast(seg.param_buffer)
+            for seg in self.segments:
+                self.comm.broadcast(seg.param_buffer)
+
+    def _broadcast_frozen_and_buffers(self) -> None:
+        """Rank 0's frozen parameters (after the compute-dtype cast: the same values) and
+        buffers."""
+        if self.comm.world_size == 1:
+            return
+        with torch.no_grad():
             for _, p in self.frozen:
                 self.comm.broadcast(p.data)
             for b in self.model.buffers():

@@ -2,7 +2,8 @@
 
 The module's class is swapped for a subclass that also inherits ``ZeroModule`` (as FSDP2's
 ``fully_shard`` does), so ``isinstance(model, MyModel)`` still holds, ``state_dict`` keys are
-unchanged, and DDP habits such as ``model.no_sync()`` work.
+unchanged, and DDP habits such as ``model.no_sync()`` work. The subclass is invisible where
+libraries look at the class ([Note: invisible subclass]).
 
 Reads of parameters through the model outside a forward (``parameters()``,
 ``named_parameters()``, ``state_dict()``, ``model.layer.weight``) first wait for the stage 1-2
@@ -23,21 +24,36 @@ if TYPE_CHECKING:
 _CLASSES: dict[type, type] = {}
 
 
+# [Note: invisible subclass]
+# The subclass carries the user's class's ``__name__``, ``__qualname__`` and ``__module__``, so
+# what libraries derive from the class is unchanged: Hugging Face's ``save_pretrained`` writes
+# ``config.architectures = [type(model).__name__]`` and picks the loss from the class name;
+# ``repr(model)`` and logs read the same. Creating the subclass must not run the user's classes'
+# ``__init_subclass__`` hooks: they are written for subclasses their authors define, and can
+# fail on ours (transformers' evaluates every annotation of the new class's MRO). ``type()``
+# calls the hook of the first base after the new class, which is ``ZeroModule``'s below, and it
+# does not chain: the subclass adds no fields the user's hooks would have to register.
+# ``ZeroModule`` declares no class-level annotations, so ``typing.get_type_hints`` on the
+# subclass sees exactly the user's class's.
+
+
 class ZeroModule:
     """Mixin for modules managed by zerodp."""
 
-    _zero_engine: ZeroEngine
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Deliberately not chained ([Note: invisible subclass])."""
 
     @property
     def zero_engine(self) -> ZeroEngine:
-        return self._zero_engine
+        engine: ZeroEngine = self.__dict__["_zero_engine"]
+        return engine
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        self._zero_engine.wait_params()
+        self.zero_engine.wait_params()
         return super().named_parameters(*args, **kwargs)  # type: ignore[misc]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self._zero_engine.wait_params()
+        self.zero_engine.wait_params()
         return super().state_dict(*args, **kwargs)  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:
@@ -52,7 +68,7 @@ class ZeroModule:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no gradient communication, for the backward
         passes inside the block; the first backward outside it reduces the sum (as DDP)."""
-        reducer = self._zero_engine.reducer
+        reducer = self.zero_engine.reducer
         previous = reducer.sync_enabled
         reducer.sync_enabled = False
         try:
@@ -61,14 +77,26 @@ class ZeroModule:
             reducer.sync_enabled = previous
 
 
-def attach(module: nn.Module, engine: ZeroEngine) -> None:
-    cls = type(module)
-    if not isinstance(module, ZeroModule):
-        zcls = _CLASSES.get(cls)
-        if zcls is None:
-            zcls = type(f"Zero{cls.__name__}", (ZeroModule, cls), _waiting_container_methods(cls))
-            _CLASSES[cls] = zcls
-        module.__class__ = zcls
+def zero_class(cls: type) -> type:
+    """The (cached) subclass of ``cls`` that also inherits ``ZeroModule``. Made before anything
+    is changed by ``initialize``, so a failure here leaves the model untouched."""
+    if issubclass(cls, ZeroModule):
+        return cls
+    zcls = _CLASSES.get(cls)
+    if zcls is None:
+        namespace = {
+            **_waiting_container_methods(cls),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        zcls = type(cls.__name__, (ZeroModule, cls), namespace)
+        _CLASSES[cls] = zcls
+    return zcls
+
+
+def attach(module: nn.Module, engine: ZeroEngine, zcls: type) -> None:
+    module.__class__ = zcls
     module.__dict__["_zero_engine"] = engine
 
 
