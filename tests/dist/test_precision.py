@@ -16,84 +16,23 @@ Adam update by at most ~lr. We bound the relative L2 error of every parameter by
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
+from emulation import DTYPES, Emulation, masters_error
+from emulation import adamw as _opt
 from torch import nn
 from zerotest import MLP, batches, build, full, mse, rank_world
 
 import zerodp
-from zerodp.optim.pieces import select_fused
 
 TIMEOUT = 120.0
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-LR = 1e-2
-
-
-def _opt(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-class Emulation:
-    """The mixed-precision ZeRO protocol in one process, for ``world`` ranks."""
-
-    def __init__(self, model: nn.Module, precision: str, stage: int, world: int, scale: float):
-        self.master = copy.deepcopy(model).float()
-        self.compute = copy.deepcopy(model).to(DTYPES[precision])
-        self.compute.register_forward_pre_hook(_cast_inputs(DTYPES[precision]))
-        self.opt = _opt(self.master.parameters())
-        select_fused(self.opt)  # the same kernel choice zerodp makes (bitwise comparisons)
-        self.dtype = DTYPES[precision]
-        self.stage, self.world, self.scale = stage, world, scale
-
-    def step(self, loss_fn, poison: set[int] = frozenset()) -> bool:
-        """One step; ``poison`` ranks produce infinite losses. Returns whether it stepped."""
-        with torch.no_grad():
-            for c, m in zip(self.compute.parameters(), self.master.parameters(), strict=True):
-                c.copy_(m.to(self.dtype))
-        sums = [torch.zeros_like(p) for p in self.master.parameters()]
-        for r in range(self.world):
-            self.compute.zero_grad()
-            loss = loss_fn(self.compute, r)
-            if r in poison:
-                loss = loss * float("inf")
-            (loss * self.scale).backward()
-            for s, p in zip(sums, self.compute.parameters(), strict=True):
-                s.add_(p.grad.float())
-        finite = all(bool(torch.isfinite(s).all()) for s in sums)
-        for s, m in zip(sums, self.master.parameters(), strict=True):
-            m.grad = (s / self.world).to(self.dtype).float() / self.scale
-        if finite:
-            self.opt.step()
-        self.opt.zero_grad()
-        return finite
-
-
-def _cast_inputs(dtype: torch.dtype):
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        return tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-
-    return hook
 
 
 def _cfg(stage: int, precision: str, **kw) -> zerodp.ZeroConfig:
     if stage == 3:  # each Linear its own unit (the default policy makes MLP one root unit)
         kw.setdefault("unit_classes", ("Linear",))
     return zerodp.ZeroConfig(stage=stage, precision=precision, bucket_bytes=64, **kw)
-
-
-def _masters_match(opt: zerodp.ZeroOptimizer, emu: Emulation) -> float:
-    """Max relative L2 error between this rank's fp32 master pieces and the emulation's."""
-    ref = dict(emu.master.named_parameters())
-    worst = 0.0
-    for op in opt.engine.pieces:
-        r = op.piece.param_range
-        want = ref[op.name].detach().reshape(-1)[r.start : r.stop]
-        err = (op.tensor.detach() - want).norm().item() / max(want.norm().item(), 1e-30)
-        worst = max(worst, err)
-    return worst
 
 
 def case_emulation(stage: int, precision: str) -> float:
@@ -109,7 +48,7 @@ def case_emulation(stage: int, precision: str) -> float:
         opt.step()
         opt.zero_grad()
         assert opt.last_step is not None and not opt.last_step.skipped, "unexpected skip"
-        worst = max(worst, _masters_match(opt, emu))
+        worst = max(worst, masters_error(opt, emu))
         with full(model):
             pairs = zip(model.named_parameters(), emu.master.parameters(), strict=True)
             for (name, p), q in pairs:
@@ -163,7 +102,7 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
                 for n, t in v.items():
                     assert torch.equal(t, state_before[k][n]), f"step {step}: state {n} changed"
         seen.append((step, info.skipped, info.loss_scale, opt.loss_scale))
-        assert _masters_match(opt, emu) <= 1e-3, f"step {step}"
+        assert masters_error(opt, emu) <= 1e-3, f"step {step}"
     assert opt.skipped_steps == 4
     return seen
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from zerotest import (
-    Branchy,
     MLP,
+    Branchy,
     OddSizes,
     Tied,
     adamw_two_groups,
@@ -22,7 +22,6 @@ from zerotest import (
     make_pair,
     mse,
     rank_world,
-    reference_step,
     sgd_momentum,
     synced_step,
 )

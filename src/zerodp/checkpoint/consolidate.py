@@ -73,6 +73,7 @@ def consolidate_checkpoint(
     cast = _parse_dtype(dtype)
     specs = [_spec(m, key, kind, target, cast) for key, kind, target in m.state_dict]
     out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. a new Hugging Face model directory
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
     sources = sources_by_name(m)
     metadata = {"format": "pt", "zerodp_step": str(m.step)}
