@@ -13,6 +13,7 @@ from zerodp.engine import ZeroEngine
 from zerodp.module import attach, zero_class
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.params.manager import Stage3Options
+from zerodp.params.nocompile import check_not_compiled
 from zerodp.params.policy import UnitPolicy
 from zerodp.snapshot import InitSnapshot
 
@@ -57,6 +58,13 @@ def initialize(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer)}")
     if isinstance(optimizer, ZeroOptimizer) or getattr(model, "_zero_engine", None) is not None:
         raise ValueError("this model or optimizer is already managed by zerodp.initialize")
+    if isinstance(model, torch._dynamo.OptimizedModule):
+        raise TypeError(
+            "zerodp.initialize takes the uncompiled module: call zerodp.initialize(model, ...) "
+            "first, then model.compile() or torch.compile(model) (stages 0-2)"
+        )
+    if config.stage == 3:
+        check_not_compiled(model)
     if config.stage != 3 and (unit_policy is not None or init_fn is not None or device is not None):
         raise ValueError("unit_policy, init_fn and device apply to ZeroConfig(stage=3) only")
     stage3 = Stage3Options(unit_policy, init_fn, torch.device(device) if device else None)

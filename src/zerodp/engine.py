@@ -36,6 +36,7 @@ from zerodp.optim.pieces import (
 )
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
+from zerodp.params.nocompile import refuse_compile
 from zerodp.params.reduce import ShardedGrads
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
@@ -134,6 +135,8 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        if self.params is not None:  # [stage 3] see params/nocompile.py
+            self._hooks.append(model.register_forward_pre_hook(refuse_compile, prepend=True))
         self.steps = 0
         self.skipped_steps = 0
         self.last_step = None

@@ -165,6 +165,14 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return MODELS[name].build()
 
 
+def build_checkpointed(name: str, reentrant: bool, seed: int = 0) -> nn.Module:
+    """``build`` with Hugging Face gradient checkpointing on every layer."""
+    model = build(name, seed)
+    kwargs = {"use_reentrant": reentrant}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def global_batches(name: str, step: int, world: int, per_rank: int = 2) -> list[dict]:
     """Rank r's batch of step ``step``: the r-th slice of one global batch."""
     g = torch.Generator().manual_seed(1000 + step)

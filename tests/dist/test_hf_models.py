@@ -22,15 +22,18 @@ noise and the plain ratio is 0.52 (measured) for an absolute difference of ~1e-1
 from __future__ import annotations
 
 import json
+import pickle
+import typing
 from functools import partial
 
 import pytest
 import torch
 from emulation import Emulation, adamw, masters_error
-from hf_models import MODELS, build, global_batches, hf_loss
+from hf_models import MODELS, build, build_checkpointed, global_batches, hf_loss
 from zerotest import full, make_pair, rank_world, synced_step
 
 import zerodp
+from zerodp.params.nocompile import MESSAGE
 
 STEPS = 3
 TIMEOUT = 240.0
@@ -77,9 +80,15 @@ def max_error(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     return worst
 
 
-def case_parity(name: str, stage: int, opt_name: str, **kw: object) -> float:
+def case_parity(
+    name: str, stage: int, opt_name: str, reentrant: bool | None = None, **kw: object
+) -> float:
+    """``reentrant``: Hugging Face gradient checkpointing of that kind (None: off)."""
     rank, world = rank_world()
-    pair = make_pair(partial(build, name), OPTIMIZERS[opt_name], config(name, stage, **kw))
+    factory = (
+        partial(build, name) if reentrant is None else partial(build_checkpointed, name, reentrant)
+    )
+    pair = make_pair(factory, OPTIMIZERS[opt_name], config(name, stage, **kw))
     worst = 0.0
     for step in range(STEPS):
         synced_step(pair, hf_loss(global_batches(name, step, world)), world, rank)
@@ -104,6 +113,15 @@ def test_parity_world2(world, name: str, stage: int, opt: str) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parity_world3(world, name: str, stage: int) -> None:
     errors = world(3).run(case_parity, name, stage, "adamw", timeout=TIMEOUT)
+    assert max(errors) <= TOLERANCE["adamw"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_gradient_checkpointing(world, name: str, stage: int, reentrant: bool) -> None:
+    """``model.gradient_checkpointing_enable()`` on both the zerodp model and the reference."""
+    errors = world(2).run(case_parity, name, stage, "adamw", reentrant, timeout=TIMEOUT)
     assert max(errors) <= TOLERANCE["adamw"]
 
 
@@ -179,3 +197,99 @@ def case_save_pretrained(name: str, stage: int, tmp: str) -> tuple[bool, bool]:
 def test_save_pretrained_round_trip(world, tmp_path, name: str, stage: int) -> None:
     got = world(2).run(case_save_pretrained, name, stage, str(tmp_path), timeout=TIMEOUT)
     assert got == [(True, True), (True, True)]
+
+
+def case_compiled(name: str, stage: int, how: str) -> float:
+    """``model.compile()`` (in place) or ``torch.compile(model)`` after ``initialize``; the
+    reference is compiled the same way, so both run inductor's kernels."""
+    rank, world = rank_world()
+    pair = make_pair(partial(build, name), _sgd, config(name, stage))
+    model, ref = pair.model, pair.ref
+    if how == "method":
+        model.compile()
+        ref.compile()
+    else:
+        pair.model = torch.compile(model)  # type: ignore[assignment]
+        pair.ref = torch.compile(ref)  # type: ignore[assignment]
+    for step in range(STEPS):
+        synced_step(pair, hf_loss(global_batches(name, step, world)), world, rank)
+    err = max_error(model, ref)
+    assert err <= TOLERANCE["sgd"], f"compiled ({how}): error {err:.3e}"
+    return err
+
+
+@pytest.mark.parametrize(("stage", "how"), [(0, "method"), (1, "function"), (2, "method")])
+def test_torch_compile(world, stage: int, how: str) -> None:
+    errors = world(2).run(case_compiled, "gpt2", stage, how, timeout=TIMEOUT)
+    assert max(errors) <= TOLERANCE["sgd"]
+
+
+def case_compile_stage3(how: str) -> str:
+    rank, world = rank_world()
+    model = build("gpt2")
+    model, _ = zerodp.initialize(model, _sgd(list(model.parameters())), config("gpt2", 3))
+    compiled = model if how == "method" else torch.compile(model)
+    if how == "method":
+        model.compile()
+    batch = global_batches("gpt2", 0, world)[rank]
+    with pytest.raises(RuntimeError) as err:
+        compiled(**batch)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("how", ["method", "function"])
+def test_torch_compile_stage3_is_a_clear_error(world, how: str) -> None:
+    messages = world(2).run(case_compile_stage3, how, timeout=TIMEOUT)
+    assert messages == [MESSAGE, MESSAGE]
+
+
+def case_initialize_compiled(stage: int) -> list[str]:
+    model = build("gpt2")
+    opt = _sgd(list(model.parameters()))
+    errors = []
+    with pytest.raises(TypeError) as err:
+        zerodp.initialize(torch.compile(model), opt, config("gpt2", stage))
+    errors.append(str(err.value))
+    model.compile()
+    if stage == 3:
+        with pytest.raises(ValueError) as err:
+            zerodp.initialize(model, opt, config("gpt2", stage))
+        errors.append(str(err.value))
+    return errors
+
+
+def test_initialize_refuses_compiled_models(world) -> None:
+    wrapped = (
+        "zerodp.initialize takes the uncompiled module: call zerodp.initialize(model, ...) "
+        "first, then model.compile() or torch.compile(model) (stages 0-2)"
+    )
+    assert world(1).run(case_initialize_compiled, 2) == [[wrapped]]
+    assert world(1).run(case_initialize_compiled, 3) == [[wrapped, MESSAGE]]
+
+
+def case_invisible_class(stage: int) -> dict[str, bool]:
+    """What libraries read from the class is the user's class's ([Note: invisible subclass])."""
+    model = build("gpt2")
+    cls = type(model)
+    config_before = model.config.to_dict()
+    generation_before = model.generation_config.to_dict()
+    hints = typing.get_type_hints(cls)
+    model, _ = zerodp.initialize(model, _sgd(list(model.parameters())), config("gpt2", stage))
+    zcls = type(model)
+    return {
+        "isinstance": isinstance(model, cls) and isinstance(model, zerodp.ZeroModule),
+        "names": (zcls.__name__, zcls.__qualname__, zcls.__module__)
+        == (cls.__name__, cls.__qualname__, cls.__module__),
+        "repr": repr(model).startswith(f"{cls.__name__}("),
+        "type hints": typing.get_type_hints(zcls) == hints,
+        "config": model.config.to_dict() == config_before,
+        "config pickles": pickle.loads(pickle.dumps(model.config)).to_dict() == config_before,
+        "generation_config": model.generation_config.to_dict() == generation_before,
+        "config_class": zcls.config_class is cls.config_class,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_class_swap_is_invisible(world, stage: int) -> None:
+    (got,) = world(1).run(case_invisible_class, stage)
+    assert got == dict.fromkeys(got, True)
