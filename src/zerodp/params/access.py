@@ -126,8 +126,10 @@ class ShardedParameter(nn.Parameter):
                 f"released: unit '{unit}' is not gathered; read it inside "
                 "`with zerodp.full_parameters(model):`)"
             )
+        # Exactly a plain Parameter's repr (the subclass would print as
+        # "Parameter(ShardedParameter(...))").
         with torch._C.DisableTorchFunctionSubclass():
-            return str(super().__repr__())
+            return repr(nn.Parameter(self.detach(), requires_grad=self.requires_grad))
 
 
 def _refuse_if_released(lookup: UnitLookup, param: torch.Tensor, what: str) -> None:
