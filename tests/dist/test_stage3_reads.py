@@ -62,7 +62,7 @@ def _gpt2() -> nn.Module:
 
 
 # model: (factory, parameter read by the rows, its unit, 1-element parameter or None,
-#         first parameter of named_parameters(), its unit, an input)
+#         first parameter of named_parameters(), its unit)
 MODELS: dict[str, tuple[Callable[[], nn.Module], str, str, str | None, str, str]] = {
     "small": (Small, "blocks.1.weight", "blocks.1", "blocks.1.scale", "emb", "<root Small>"),
     "gpt2": (
