@@ -155,7 +155,7 @@ def test_reading_a_released_parameter_raises(world):
         assert "zerodp.full_parameters" in loss_error, loss_error
         assert shown == (
             "ShardedParameter('head.weight', shape=(3, 6), dtype=torch.float32, released: unit "
-            "'head' is not gathered)"
+            "'head' is not gathered; read it inside `with zerodp.full_parameters(model):`)"
         ), shown
         assert "was read (copy.deepcopy) while its unit" in copy_error, copy_error
 

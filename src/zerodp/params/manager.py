@@ -205,7 +205,7 @@ class ShardedParams:
     def pin(self, units: list[Unit]) -> None:
         for u in units:
             u.pinned += 1
-            self.gatherer.start(u)
+            self.gatherer.start(u, private=True)  # user aliases must outlive the release
         for u in units:
             self.gatherer.wait(u)
 

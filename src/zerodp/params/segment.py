@@ -9,10 +9,29 @@ back while gathered, and ``views`` are the parameters' full-shape views of it, m
 saves views of parameters in forward, and those keep pointing at the same storage object, so
 they are valid again after the re-gather in backward (FSDP1's trick). Memory is really freed.
 
-A parameter's ``.data`` is its view while gathered and a *placeholder* at rest: a one-element NaN
-tensor expanded to the full shape, so shape, dtype and device stay right for code that inspects
-them, while reading values is refused by ``ShardedParameter`` (``access.py``) with a clear error,
-and any read that bypasses it sees NaN rather than a plausible number.
+A parameter's ``.data`` is its view while gathered and a *placeholder* at rest; see
+[Note: released placeholders] below and [Note: safe reads] in ``access.py``.
+
+[Note: released placeholders]
+A placeholder is a one-element tensor (NaN) expanded to the full shape: stride 0 everywhere, so
+shape, dtype and device are right for code that inspects them, and every element of the view
+lies inside its 1-element storage: no read of it, by any path, can leave its storage (the worst
+a read that bypasses ``ShardedParameter``'s checks can see is NaN). The obvious alternative, a
+full-shape view over a storage of 0 bytes (what the gathered views are at rest), is NOT safe:
+torch does not bounds-check reads of an existing view against its storage, so ``tolist()``,
+``sum()``, ``clone()``, ``numpy()`` of such a view dereference a null pointer plus the offset
+(a segfault, measured on torch 2.13 CPU) or read foreign memory.
+
+[Note: pinned gathers]
+The views of ``param_buffer`` are shared with whatever took an alias of a gathered parameter
+(``p.detach()``, ``p.data``, ``p[0]``): after the release such an alias is a view over a freed
+storage, i.e. exactly the unsafe tensor above. Autograd's saved views need that sharing (they
+are only read in backward, after the re-gather), but a user's alias does not. Gathers for
+``full_parameters`` / ``state_dict`` / ``load_state_dict`` (``private=True``) therefore gather
+into a fresh buffer of their own, which the release drops instead of resizing: an alias taken
+inside ``with zerodp.full_parameters(model):`` keeps that memory alive and keeps the values it
+had when the block ended, like any tensor. A unit that was already gathered by the schedule
+when it was pinned keeps using the shared buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +53,11 @@ class ShardedSegment(Segment):
     shard: torch.Tensor  # 1D, layout.shard_numel: this rank's slice, the all-gather input
     views: list[torch.Tensor]  # by slot: full-shape views of param_buffer
     placeholders: list[torch.Tensor]  # by slot: what .data is at rest
+    # The buffer schedule gathers use (storage resized to 0 at rest) and its views; while a
+    # private gather is in place, param_buffer / views are another buffer ([Note: pinned
+    # gathers]).
+    resident: torch.Tensor  # 1D, padded_numel
+    resident_views: list[torch.Tensor]
 
     @classmethod
     def from_segment(
@@ -53,6 +77,8 @@ class ShardedSegment(Segment):
             rank,
             torch.empty(0),
             [],
+            [],
+            seg.param_buffer,
             [],
         )
         owned = flat_view(seg.param_buffer, out.owned)
@@ -78,8 +104,15 @@ class ShardedSegment(Segment):
 
     # -- lifecycle (driven by zerodp.params.unit) --------------------------------------------
 
-    def alloc(self) -> None:
-        """Give the full buffer its memory back (uninitialised: the all-gather fills it)."""
+    def alloc(self, private: bool = False) -> None:
+        """Give the full buffer its memory back (uninitialised: the all-gather fills it); with
+        ``private``, a fresh buffer the release drops ([Note: pinned gathers])."""
+        if private:
+            self.param_buffer = torch.empty(
+                self.layout.padded_numel, dtype=self.dtype, device=self.device
+            )
+            self.views = [self.param_view(slot.index) for slot in self.layout.slots]
+            return
         storage = self.param_buffer.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.full_nbytes)
@@ -92,7 +125,10 @@ class ShardedSegment(Segment):
         """Point the parameters at their placeholders and free the full buffer."""
         for p, placeholder in zip(self.params, self.placeholders, strict=True):
             p.data = placeholder
-        self.param_buffer.untyped_storage().resize_(0)
+        if self.param_buffer is self.resident:
+            self.param_buffer.untyped_storage().resize_(0)
+        else:  # freed once no alias of it is left ([Note: pinned gathers])
+            self.param_buffer, self.views = self.resident, self.resident_views
 
     def owned_view(self) -> torch.Tensor:
         """This rank's slice of the (gathered) full buffer."""
@@ -111,7 +147,10 @@ class ShardedSegment(Segment):
     def _make_views(self) -> None:
         """Views must be made while the storage is allocated (a view of a 0-byte storage fails
         its bounds check); they stay valid across later resizes of that storage."""
+        self.resident = self.param_buffer
         self.alloc()
         self.views = [self.param_view(slot.index) for slot in self.layout.slots]
+        self.resident_views = self.views
+        # [Note: released placeholders]: stride 0 over one real element, never a 0-byte storage.
         base = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         self.placeholders = [base.expand(slot.spec.shape) for slot in self.layout.slots]

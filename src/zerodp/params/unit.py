@@ -112,14 +112,15 @@ class Gatherer:
             return [(Op.GATHER, unit.index)]
         return []
 
-    def start(self, unit: Unit) -> None:
-        """RELEASED -> GATHERING: allocate the full buffers and launch the all-gathers."""
+    def start(self, unit: Unit, private: bool = False) -> None:
+        """RELEASED -> GATHERING: allocate the full buffers (``private``: fresh ones, for pins:
+        [Note: pinned gathers] in ``segment.py``) and launch the all-gathers."""
         if unit.state is not UnitState.RELEASED:
             return
         if unit.segments:
             self.check(Op.GATHER, unit.index)
         for seg in unit.segments:
-            seg.alloc()
+            seg.alloc(private)
             unit.handles.append(self.comm.all_gather(seg.param_buffer, seg.shard, async_op=True))
         unit.state = UnitState.GATHERING
         self.gathered_bytes += unit.full_nbytes
