@@ -25,7 +25,7 @@ MESSAGE = (
 )
 
 
-@torch._dynamo.disable  # type: ignore[misc]
+@torch._dynamo.disable
 def _refuse() -> None:
     raise RuntimeError(MESSAGE)
 
