@@ -17,6 +17,7 @@ import torch
 from zerodp.comm import CommStats
 from zerodp.memory.report import MemoryReport, measure
 from zerodp.optim.loss_scaler import StepInfo
+from zerodp.optim.pieces import pieces_in_state_order
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
@@ -139,7 +140,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "rank": e.comm.rank,
             "stage": e.plan.stage,
             "pieces": [
-                [op.name, op.piece.param_range.start, op.piece.param_range.stop] for op in e.pieces
+                [op.name, op.piece.param_range.start, op.piece.param_range.stop]
+                for op in pieces_in_state_order(self.inner, e.pieces)
             ],
         }
 
