@@ -19,10 +19,14 @@ from hf_models import global_batches, hf_loss
 from torch import nn
 from zerotest import (
     MLP,
+    adamw_two_groups,
+    assert_close,
     batches,
     build,
+    make_pair,
     mse,
     rank_world,
+    sgd_momentum,
 )
 
 import zerodp
@@ -165,3 +169,61 @@ def test_state_dict_labels_with_groups_out_of_layout_order(world, stage):
 def test_state_dict_labels_with_groups_out_of_layout_order_gpt2(world, stage):
     counts = world(2).run(case_state_dict_group_order_hf, stage, timeout=TIMEOUT)
     assert all(n > 0 for n in counts), counts
+
+
+# -- 3. 0-dim (scalar) parameters ---------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A layer with a 0-dim gain: a stage-3 unit holding a scalar parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(7, 6)
+        self.gain = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * self.gain
+
+
+class Scalars(nn.Module):
+    """0-dim parameters inside a unit (``Scaled.gain``) and in the root (``shift``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Scaled()
+        self.head = nn.Linear(6, 5)
+        self.shift = nn.Parameter(torch.tensor(-0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)) + self.shift
+
+
+OPTIMIZERS = {"sgd": sgd_momentum, "adamw": adamw_two_groups}
+
+
+def case_scalar_parameter(stage: int, optim: str) -> list[float]:
+    rank, world = rank_world()
+    pair = make_pair(Scalars, OPTIMIZERS[optim], _cfg(stage, ("Scaled",)))
+    shapes = {n: tuple(p.shape) for n, p in pair.ref.named_parameters()}
+    assert shapes["shift"] == () and shapes["body.gain"] == (), shapes
+    errs = []
+    for step in range(4):
+        data = batches(step, world, 3, [(7,), (5,)])
+        (sum(mse(data)(pair.ref, r) for r in range(world)) / world).backward()
+        pair.ref_opt.step()
+        pair.ref_opt.zero_grad()
+        mse(data)(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        errs.append(assert_close(pair.model, pair.ref, what=f"stage {stage} step {step}"))
+    moved = float(pair.ref.shift.detach()) != -0.25 and float(pair.ref.body.gain.detach()) != 1.5
+    assert moved, "the scalars must actually train"
+    return errs
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("stage", STAGES)
+def test_scalar_parameter(world, stage, optim):
+    """FSDP2 ``single_group`` with a 0-dim parameter: parity at every stage."""
+    world(2).run(case_scalar_parameter, stage, optim, timeout=TIMEOUT)
