@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from hf_models import build as build_hf
 from hf_models import global_batches, hf_loss
 from torch import nn
 from zerotest import (
     MLP,
+    Branchy,
     adamw_two_groups,
     assert_close,
     batches,
@@ -41,6 +43,68 @@ STATE_TOL = 1e-5
 def _cfg(stage: int, units: tuple[str, ...] = ("Linear",)) -> zerodp.ZeroConfig:
     # Small buckets cut parameters across buckets; stage 3: every listed layer is its own unit.
     return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units if stage == 3 else ())
+
+
+# -- 1. zero_grad(set_to_none=False) and a parameter unused in a step ---------------------------
+
+# Which ranks run ``Branchy.sometimes`` at each step: both, none, rank 0 only, none, none.
+USE_BRANCH = [(True, True), (False, False), (True, False), (False, False), (False, False)]
+# set_to_none passed to zero_grad after each step.
+SET_TO_NONE = {
+    "false": [False] * 5,
+    "true": [True] * 5,
+    # kept (step 1 steps the unused branch), dropped, kept again (step 3), dropped (step 4)
+    "mixed": [False, True, False, True, False],
+}
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def case_zero_grad_keeps_grads(stage: int, pattern: str, ref_via: str) -> list[bool]:
+    """Parity after every step; returns, per step, whether the reference stepped the unused
+    ``sometimes`` branch (the scenario must actually exercise both behaviours)."""
+    rank, world = rank_world()
+    # Stage 3: one unit (the default policy's root unit for a model this small), because a unit
+    # that runs on some ranks only is refused (docs/stage3.md) and step 2 runs the branch on
+    # rank 0 only.
+    pair = make_pair(Branchy, _adamw, _cfg(stage, units=()))
+    stepped_unused = []
+    for step, (use, none) in enumerate(zip(USE_BRANCH, SET_TO_NONE[pattern], strict=True)):
+        data = batches(step, world, 3, [(4,), (4,)])
+        x, y = data[rank]
+        before = pair.ref.sometimes.weight.detach().clone()
+        ref_loss = sum(F.mse_loss(pair.ref(*data[r][:1], use[r]), data[r][1]) for r in range(world))
+        (ref_loss / world).backward()
+        pair.ref_opt.step()
+        if ref_via == "opt":
+            pair.ref_opt.zero_grad(set_to_none=none)
+        else:
+            pair.ref.zero_grad(set_to_none=none)
+        if not any(use):
+            stepped_unused.append(not torch.equal(before, pair.ref.sometimes.weight))
+        F.mse_loss(pair.model(x, use[rank]), y).backward()
+        pair.opt.step()
+        pair.opt.zero_grad(set_to_none=none)
+        assert_close(pair.model, pair.ref, what=f"stage {stage} {pattern} step {step}")
+    return stepped_unused
+
+
+@pytest.mark.parametrize("ref_via", ["opt", "model"])
+@pytest.mark.parametrize("pattern", sorted(SET_TO_NONE))
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_grad_set_to_none_and_unused_parameter(world, stage, pattern, ref_via):
+    """FSDP2 ``unused_forward_output``: the same parameters are stepped as in unsharded
+    training, for ``set_to_none`` True, False and a mix."""
+    out = world(2).run(case_zero_grad_keeps_grads, stage, pattern, ref_via, timeout=TIMEOUT)
+    # Steps 1, 3, 4 leave the branch unused on every rank; a kept zero .grad steps it.
+    expected = {
+        "false": [True, True, True],
+        "true": [False, False, False],
+        "mixed": [True, True, False],
+    }[pattern]
+    assert out == [expected, expected], out
 
 
 # -- 2. opt.state_dict() with param groups in another order than the layout --------------------

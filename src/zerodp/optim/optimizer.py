@@ -82,9 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient. Gradients live in persistent flat buffers (no per-step
-        allocation), so ``set_to_none`` is accepted for compatibility and the buffers are zeroed
-        in place either way."""
-        self._engine.zero_grad()
+        allocation), zeroed in place either way; ``set_to_none`` decides, as in torch, whether a
+        parameter that had a gradient keeps a zero one, and so is stepped even in a step that
+        does not use it ([Note: kept gradients] in optim/agreement.py)."""
+        self._engine.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over
