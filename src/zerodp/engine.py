@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
-from zerodp.optim.agreement import agree_on_step
+from zerodp.optim.agreement import KeptGrads, agree_on_step
 from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
@@ -143,6 +143,7 @@ class ZeroEngine:
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
         self._skip = False  # the current step's gradients are not finite somewhere
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
+        self.kept_grads = KeptGrads(self.segments)
         self._grad_norm: float | None = None
         self._scaled_backward = False
         # Last: the one in-place write to the user's tensors ([Note: initialize is all or
@@ -264,9 +265,8 @@ class ZeroEngine:
         if self.chunked is not None and self.plan.check_finite:
             nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
-        used, self._skip = agree_on_step(
-            self.comm, self.reducer.used, self.segments, self.frozen, nonfinite
-        )
+        has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
+        used, self._skip = agree_on_step(self.comm, has_grad, self.segments, self.frozen, nonfinite)
         self._used = used
         if self.chunked is None:  # fp32: the optimizer steps views of the reduced gradients
             for op in self.pieces:
@@ -334,7 +334,8 @@ class ZeroEngine:
         parameter holds its updated value. Idempotent and cheap when nothing is in flight."""
         self.param_gather.wait_all()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.kept_grads.zero_grad(self.reducer.used, set_to_none)
         self.reducer.zero_grad()
         for op in self.pieces:
             op.tensor.grad = None

@@ -17,6 +17,7 @@ import torch
 from zerodp.comm import CommStats
 from zerodp.memory.report import MemoryReport, measure
 from zerodp.optim.loss_scaler import StepInfo
+from zerodp.optim.pieces import pieces_in_state_order
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
@@ -81,9 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient. Gradients live in persistent flat buffers (no per-step
-        allocation), so ``set_to_none`` is accepted for compatibility and the buffers are zeroed
-        in place either way."""
-        self._engine.zero_grad()
+        allocation), zeroed in place either way; ``set_to_none`` decides, as in torch, whether a
+        parameter that had a gradient keeps a zero one, and so is stepped even in a step that
+        does not use it ([Note: kept gradients] in optim/agreement.py)."""
+        self._engine.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over
@@ -139,7 +141,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "rank": e.comm.rank,
             "stage": e.plan.stage,
             "pieces": [
-                [op.name, op.piece.param_range.start, op.piece.param_range.stop] for op in e.pieces
+                [op.name, op.piece.param_range.start, op.piece.param_range.stop]
+                for op in pieces_in_state_order(self.inner, e.pieces)
             ],
         }
 

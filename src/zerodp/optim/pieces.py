@@ -148,6 +148,17 @@ def rebind_optimizer(
     select_fused(optimizer)
 
 
+def pieces_in_state_order(
+    optimizer: torch.optim.Optimizer, pieces: list[OptimPiece]
+) -> list[OptimPiece]:
+    """The pieces in the order ``optimizer.state_dict()`` numbers its tensors: group by group,
+    each group's ``params`` in order. ``pieces`` is in layout order, which differs as soon as
+    the groups interleave in the layout (e.g. decay / no-decay groups), so entry ``i`` of the
+    state dict is labelled by looking up its tensor, never by position in ``pieces``."""
+    by_tensor = {id(op.tensor): op for op in pieces}
+    return [by_tensor[id(t)] for group in optimizer.param_groups for t in group["params"]]
+
+
 def _slice_state(state: dict, param: torch.Tensor, piece: Piece) -> dict:
     out = {}
     r = piece.param_range

@@ -152,5 +152,6 @@ class ShardedSegment(Segment):
         self.views = [self.param_view(slot.index) for slot in self.layout.slots]
         self.resident_views = self.views
         # [Note: released placeholders]: stride 0 over one real element, never a 0-byte storage.
-        base = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        # The element is 0-dim so that it expands to any shape, a 0-dim parameter's included.
+        base = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         self.placeholders = [base.expand(slot.spec.shape) for slot in self.layout.slots]
