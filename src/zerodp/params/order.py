@@ -36,7 +36,14 @@ class Op(enum.IntEnum):
     GATHER = 1
     REDUCE = 2
     STEP = 3
+    # Markers: no collective of their own; agreed on with the gather that follows them, so that
+    # a rank evaluating or generating while another trains is told apart ([Note: inference]).
+    TRAIN = 4
+    INFER = 5
+    GENERATE = 6
 
+
+_MARKERS = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE)
 
 PLAN_SLOTS = 4
 """Collectives agreed on per exchange (``approve``); every exchange has this shape."""
@@ -47,7 +54,18 @@ _VERBS = {
     Op.GATHER: "all-gathers",
     Op.REDUCE: "reduce-scatters",
     Op.STEP: "is at the step",
+    Op.TRAIN: "starts a training forward",
+    Op.INFER: "starts a forward without gradients (eval / no_grad)",
+    Op.GENERATE: "starts model.generate",
 }
+
+_INFERENCE_HINT = (
+    " To generate or evaluate on some ranks only, or a different number of batches per rank, "
+    "hold the full parameters on every rank for the block: `with zerodp.full_parameters(model):`"
+    " (every rank), then run the forwards or generate on the ranks that need them inside it; "
+    "model.generate on every rank needs nothing (it keeps the ranks in step). See "
+    'docs/stage3.md, "Inference and generate".'
+)
 
 
 class OrderCheck:
@@ -109,14 +127,16 @@ class OrderCheck:
                 doing = "; ".join(
                     f"rank {r} {self._describe(Op(o), i)}" for r, (o, i) in enumerate(seen)
                 )
+                inference = any(Op(o) in (Op.INFER, Op.GENERATE) for o, _ in seen)
                 raise RuntimeError(
                     "zerodp stage 3: ranks diverged at a parameter collective: "
                     f"{doing}. Every rank must run the same units in the same order in each "
                     "step (a unit that runs on some ranks only is not supported: put its "
                     "parameters in an enclosing unit via ZeroConfig.unit_classes or unit_policy)"
+                    + ("." + _INFERENCE_HINT if inference else "")
                 )
 
     def _describe(self, op: Op, index: int) -> str:
-        if op in (Op.STEP, Op.NOTHING):
+        if op in _MARKERS:
             return _VERBS[op]
         return f"{_VERBS[op]} '{self.labels[index]}'"
