@@ -13,6 +13,7 @@ parameter gather that ``step()`` left in flight ([Note: deferred parameter gathe
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -142,14 +143,16 @@ def _generate_method(cls: type) -> dict[str, Any]:
     inner = getattr(cls, "generate", None)
     if not callable(inner):
         return {}
+    # A model's own ``generate`` (not transformers') may not take the argument.
+    syncable = "synced_gpus" in inspect.signature(inner).parameters
 
     @functools.wraps(inner)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = self.__dict__.get("_zero_engine")
         sharded = engine.params if engine is not None else None
-        if sharded is None or engine.comm.world_size == 1 or sharded.fully_pinned():
+        if sharded is None or sharded.fully_pinned():
             return inner(self, *args, **kwargs)
-        if "synced_gpus" not in kwargs:
+        if syncable and engine.comm.world_size > 1 and "synced_gpus" not in kwargs:
             if not engine.comm.is_default_group:
                 raise RuntimeError(
                     "zerodp stage 3: model.generate needs synced_gpus=True to keep ranks in step, "
