@@ -36,6 +36,7 @@ from zerodp.optim.pieces import (
 )
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
+from zerodp.params.order import Op
 from zerodp.params.reduce import ShardedGrads
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
@@ -85,6 +86,7 @@ class ZeroEngine:
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
         self._fp32_ids = _batchnorm_param_ids(model) if self.plan.mixed else set()
+        self._has_buffers = any(True for _ in model.buffers())
         self.params = None
         if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
             optimized = set(group_of_params(optimizer))
@@ -228,6 +230,8 @@ class ZeroEngine:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._broadcasts_buffers(module):
+            if self.params is not None:  # [stage 3] a collective like the others: checked first
+                self.params.check(Op.BUFFERS)
             with torch.no_grad():
                 for b in module.buffers():
                     self.comm.broadcast(b)
@@ -250,6 +254,7 @@ class ZeroEngine:
             and self.comm.world_size > 1
             and module.training
             and torch.is_grad_enabled()
+            and self._has_buffers
         )
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -37,17 +37,18 @@ A unit returning a *view* that the caller then modifies in place loses its pre-b
 (as with FSDP2): return fresh tensors from unit modules.
 
 [Note: inference]
-A forward of the root that gathers the root first agrees, in the same exchange as that gather,
-on what kind of forward it is (``Op.TRAIN`` or ``Op.INFER``: grad enabled or not), so a rank
-still evaluating while another trains raises on every rank instead of pairing an eval forward
-with a training forward. ``generate`` (``ZeroModule``) runs inside ``generating``: the ranks
-agree on ``Op.GENERATE`` and the root unit is gathered and held (``Unit.scoped``) until
-``generate`` returns, because Hugging Face's ``generate`` calls submodules directly (an
-encoder-decoder's ``get_encoder()(...)``, not through the root's forward), and those read root
-parameters (a shared embedding, a final norm); attached units read then are gathered on demand as
-in the root's forward. Unit modules called that way gather themselves through their own hooks.
-While every unit is pinned (``full_parameters``) the root is not released, so no forward hook
-issues a collective: forwards and ``generate`` may then run on some ranks only.
+A forward of the root that starts with the root released marks what kind of forward it is
+(``Op.TRAIN`` or ``Op.INFER``: grad enabled or not), and the ranks agree on the mark in the next
+order-check exchange (the first gather), so a rank still evaluating while another trains raises
+on every rank instead of pairing an eval forward with a training forward. ``generate``
+(``ZeroModule``, [Note: generate] in module.py) runs inside ``generating``: it marks
+``Op.GENERATE`` and gathers and holds the root unit (``Unit.scoped``) until ``generate``
+returns, because Hugging Face's ``generate`` calls submodules directly (an encoder-decoder's
+``get_encoder()(...)``, not through the root's forward), and those read root parameters (a shared
+embedding, a final norm); attached units read then are gathered on demand as in the root's
+forward. Unit modules called that way gather themselves through their own hooks. While every unit
+is pinned (``full_parameters``) the root is never released, so an inference forward issues no
+collective: forwards and ``generate`` may then run on some ranks only.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Schedule:
         if torch.is_grad_enabled():
             args, kwargs = self._attach_post_backward(unit, args, kwargs)
         if unit is self.root and unit.state is UnitState.RELEASED:
-            self._agree(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
+            self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
         unit.active += 1
         self.trace("forward", unit)
@@ -173,18 +174,12 @@ class Schedule:
         self.trace("forward_end", unit)
         self.maybe_release(unit)
 
-    def _agree(self, marker: Op) -> None:
-        """Agree on ``marker`` together with the root's gather, in one exchange ([Note:
-        inference])."""
-        self.check.approve([(marker, -1), *Gatherer.start_plan(self.root)])
-        self.check(marker)
-
     @contextmanager
     def generating(self) -> Iterator[None]:
         """Hold the root gathered while ``generate`` runs ([Note: inference])."""
         root = self.root
         if root.state is UnitState.RELEASED:
-            self._agree(Op.GENERATE)
+            self.check.mark(Op.GENERATE)
         self._use(root)
         root.scoped += 1
         try:
