@@ -86,7 +86,6 @@ class ZeroEngine:
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
         self._fp32_ids = _batchnorm_param_ids(model) if self.plan.mixed else set()
-        self._has_buffers = any(True for _ in model.buffers())
         self.params = None
         if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
             optimized = set(group_of_params(optimizer))
@@ -254,7 +253,7 @@ class ZeroEngine:
             and self.comm.world_size > 1
             and module.training
             and torch.is_grad_enabled()
-            and self._has_buffers
+            and next(module.buffers(), None) is not None
         )
 
     def backward(self, loss: torch.Tensor) -> None:
