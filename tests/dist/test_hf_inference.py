@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from zerotest import batches, build, rank_world
@@ -306,3 +307,35 @@ def test_buffers_broadcast_in_training_forward_only(world, stage):
 def test_generate_on_a_single_rank_world(world):
     """World size 1: no synced_gpus, but T5's direct encoder call still needs the root held."""
     world(1).run(case_generate_everywhere, "t5", 3, timeout=TIMEOUT)
+
+
+class Syncable(Scaled):
+    """A ``generate`` with transformers' ``synced_gpus`` argument (without importing it in 4
+    ranks)."""
+
+    def generate(self, x: torch.Tensor, synced_gpus: bool | None = None) -> torch.Tensor:
+        return self(x)
+
+
+def case_generate_on_a_subgroup() -> str:
+    """transformers synchronises ``synced_gpus`` over the default group: with zerodp on a
+    subgroup the default cannot be used, and ``generate`` says so on every rank."""
+    rank, _ = rank_world()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = build(Syncable)
+    model, _ = zerodp.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _stage_config(3),
+        process_group=groups[rank // 2],
+    )
+    return _raises_fast(lambda: model.generate(torch.ones(2, 6)))
+
+
+def test_generate_on_a_subgroup_raises(world):
+    for msg in world(4).run(case_generate_on_a_subgroup, timeout=TIMEOUT):
+        assert msg.startswith(
+            "zerodp stage 3: model.generate needs synced_gpus=True to keep ranks in step, and "
+            "transformers synchronises it over the default process group, which is larger than "
+            "zerodp's process_group."
+        ), msg
