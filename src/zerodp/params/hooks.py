@@ -166,6 +166,9 @@ class Schedule:
                 t.register_hook(partial(self._pre_backward, unit))
             unit.hooked = unit.hooked or bool(outs)
         if unit is self.root and unit.active == 0:
+            # A forward that exchanged nothing (every unit it used was held) has nothing to
+            # tell apart: its marker must not land on some later, unrelated exchange.
+            self.check.mark(Op.NOTHING)
             unit.kept = unit.kept or bool(outs and torch.is_grad_enabled())
             self.fwd.end()
             self._drop_prefetches([])

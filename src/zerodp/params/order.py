@@ -17,12 +17,11 @@ left), ``approve`` agrees on the whole plan, up to ``PLAN_SLOTS`` collectives pe
 each collective of the plan then goes ahead without an exchange of its own: about 2 checks per
 unit per step instead of 3. A plan is compared as a whole, slot by slot (a single check is a plan
 of one), so a rank that plans something else still meets the others at an exchange of the same
-shape and every rank raises. Each exchange also carries one *marker*
-column (``mark``): what the rank starts since the last exchange (a training forward, a forward
-without gradients, ``generate``), so ranks doing different kinds of work with the same units are
-told apart at no extra exchange ([Note: inference] in hooks.py).
-``ZeroConfig.check_unit_order=False`` skips the checks once a model
-is known to run the same units on every rank.
+shape and every rank raises. Each exchange also carries a *marker* column (``mark``): what the
+rank started since the last exchange (a training forward, a forward without gradients,
+``generate``), so ranks doing different kinds of work over the same units are told apart with
+no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.check_unit_order=False`` skips
+the checks once a model is known to run the same units on every rank.
 """
 
 from __future__ import annotations
@@ -41,13 +40,12 @@ class Op(enum.IntEnum):
     GATHER = 1
     REDUCE = 2
     STEP = 3
+    BUFFERS = 7  # the broadcast of the root's buffers before a training forward
     # Markers (``OrderCheck.mark``): no collective of their own; what a rank starts, agreed on
-    # in the next exchange, so that a rank evaluating or generating while another trains is
-    # told apart ([Note: inference] in hooks.py).
+    # in the next exchange ([Note: inference] in hooks.py).
     TRAIN = 4
     INFER = 5
     GENERATE = 6
-    BUFFERS = 7  # the broadcast of the root's buffers before a training forward
 
 
 _UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS)
@@ -107,7 +105,7 @@ class OrderCheck:
     def mark(self, marker: Op) -> None:
         """Agree on what this rank starts (a training forward, an inference forward,
         ``generate``) in the next exchange: one more column of the row every exchange sends
-        anyway, so it costs nothing."""
+        anyway, so it costs nothing. ``Op.NOTHING`` drops a marker no exchange took."""
         if self.enabled:
             self._marker = marker
 
@@ -154,13 +152,19 @@ class OrderCheck:
     def _diverged(self, seen: list[tuple[Op, int]]) -> NoReturn:
         self._approved.clear()
         doing = "; ".join(f"rank {r} {self._describe(o, i)}" for r, (o, i) in enumerate(seen))
-        inference = any(o in (Op.INFER, Op.GENERATE) for o, _ in seen)
+        if any(o in (Op.INFER, Op.GENERATE) for o, _ in seen):
+            advice = (
+                "Every rank must run the same forwards at stage 3 (each gathers parameters)."
+                + _INFERENCE_HINT
+            )
+        else:
+            advice = (
+                "Every rank must run the same units in the same order in each step (a unit "
+                "that runs on some ranks only is not supported: put its parameters in an "
+                "enclosing unit via ZeroConfig.unit_classes or unit_policy)"
+            )
         raise RuntimeError(
-            "zerodp stage 3: ranks diverged at a parameter collective: "
-            f"{doing}. Every rank must run the same units in the same order in each "
-            "step (a unit that runs on some ranks only is not supported: put its "
-            "parameters in an enclosing unit via ZeroConfig.unit_classes or unit_policy)"
-            + ("." + _INFERENCE_HINT if inference else "")
+            f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
         )
 
     def _describe(self, op: Op, index: int) -> str:
