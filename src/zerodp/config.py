@@ -36,8 +36,9 @@ class ZeroConfig:
     starts reduction earlier in backward and bounds stage-2 staging memory."""
 
     broadcast_buffers: bool = True
-    """Broadcast rank 0's module buffers (e.g. BatchNorm running stats) before every forward,
-    exactly as ``DistributedDataParallel(broadcast_buffers=True)`` does."""
+    """Broadcast rank 0's module buffers (e.g. BatchNorm running stats) before every training
+    forward (train mode, grad enabled), as ``DistributedDataParallel(broadcast_buffers=True)``
+    does; eval and ``no_grad`` forwards issue no collective ([Note: buffers] in engine.py)."""
 
     overlap_param_gather: bool = True
     """Stages 1-2: issue the all-gather of the updated parameter slices per bucket at the end of

@@ -37,6 +37,7 @@ from zerodp.optim.pieces import (
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.nocompile import refuse_compile
+from zerodp.params.order import Op
 from zerodp.params.reduce import ShardedGrads
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
@@ -231,7 +232,9 @@ class ZeroEngine:
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self.config.broadcast_buffers and self.comm.world_size > 1:
+        if self._broadcasts_buffers(module):
+            if self.params is not None:  # [stage 3] a collective like the others: checked first
+                self.params.check(Op.BUFFERS)
             with torch.no_grad():
                 for b in module.buffers():
                     self.comm.broadcast(b)
@@ -239,6 +242,23 @@ class ZeroEngine:
             return None
         dtype = self.plan.compute_dtype
         return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+
+    def _broadcasts_buffers(self, module: nn.Module) -> bool:
+        """[Note: buffers] Rank 0's buffers are broadcast only before a *training* forward
+        (module in train mode, grad enabled); DDP likewise syncs them only after forwards run
+        with grad enabled. Every rank runs those (the backward that follows is a collective
+        anyway), so the broadcast is never one that some ranks skip. Eval and ``no_grad``
+        forwards issue no collective at stages 0-2: ranks may run different numbers of them
+        (uneven evaluation, ``generate`` of different lengths), and each rank computes with its
+        own buffers, which the last training forward made equal (running statistics updated in
+        that forward from each rank's own batch differ, as under DDP)."""
+        return (
+            self.config.broadcast_buffers
+            and self.comm.world_size > 1
+            and module.training
+            and torch.is_grad_enabled()
+            and next(module.buffers(), None) is not None
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale under fp16."""

@@ -12,6 +12,8 @@ parameter gather that ``step()`` left in flight ([Note: deferred parameter gathe
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,7 @@ def zero_class(cls: type) -> type:
     if zcls is None:
         namespace = {
             **_waiting_container_methods(cls),
+            **_generate_method(cls),
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
@@ -121,3 +124,45 @@ def _waiting(method: Any) -> Any:
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
     return wrapper
+
+
+# [Note: generate]
+# Hugging Face's ``generate`` runs one forward per new token until this rank's sequences are done,
+# so ranks with different prompts or ``max_new_tokens`` run different numbers of forwards. At
+# stage 3 every forward gathers units (collectives), so ranks must stay in step:
+# ``generate(synced_gpus=True)`` keeps every rank running forwards until all are done (one small
+# all-reduce of a done flag per token), which transformers turns on by itself only for DeepSpeed
+# ZeRO-3 and FSDP. The subclass's ``generate`` gives stage 3 the same default when the caller
+# passes no ``synced_gpus`` and more than one rank holds the model, and holds the root unit
+# gathered for the call ([Note: inference] in params/hooks.py). Inside ``full_parameters`` over
+# the whole model nothing is gathered in forward, so it adds nothing: generation on some ranks
+# only works there. Stages 0-2 need neither: their eval forwards issue no collective.
+
+
+def _generate_method(cls: type) -> dict[str, Any]:
+    inner = getattr(cls, "generate", None)
+    if not callable(inner):
+        return {}
+    # A model's own ``generate`` (not transformers') may not take the argument.
+    syncable = "synced_gpus" in inspect.signature(inner).parameters
+
+    @functools.wraps(inner)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = self.__dict__.get("_zero_engine")
+        sharded = engine.params if engine is not None else None
+        if sharded is None or sharded.fully_pinned():
+            return inner(self, *args, **kwargs)
+        if syncable and engine.comm.world_size > 1 and "synced_gpus" not in kwargs:
+            if not engine.comm.is_default_group:
+                raise RuntimeError(
+                    "zerodp stage 3: model.generate needs synced_gpus=True to keep ranks in step, "
+                    "and transformers synchronises it over the default process group, which is "
+                    "larger than zerodp's process_group. Generate inside "
+                    "`with zerodp.full_parameters(model):` (on every rank of the group) with "
+                    "synced_gpus=False instead"
+                )
+            kwargs["synced_gpus"] = True
+        with sharded.generating():
+            return inner(self, *args, **kwargs)
+
+    return {"generate": generate}

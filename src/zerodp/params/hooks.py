@@ -35,10 +35,26 @@ on every rank whose loss depends on what it read in the same way. The order chec
 
 A unit returning a *view* that the caller then modifies in place loses its pre-backward hook
 (as with FSDP2): return fresh tensors from unit modules.
+
+[Note: inference]
+A forward of the root that starts with the root released marks what kind of forward it is
+(``Op.TRAIN`` or ``Op.INFER``: grad enabled or not), and the ranks agree on the mark in the next
+order-check exchange (the first gather), so a rank still evaluating while another trains raises
+on every rank instead of pairing an eval forward with a training forward. ``generate``
+(``ZeroModule``, [Note: generate] in module.py) runs inside ``generating``: it marks
+``Op.GENERATE`` and gathers and holds the root unit (``Unit.scoped``) until ``generate``
+returns, because Hugging Face's ``generate`` calls submodules directly (an encoder-decoder's
+``get_encoder()(...)``, not through the root's forward), and those read root parameters (a shared
+embedding, a final norm); attached units read then are gathered on demand as in the root's
+forward. Unit modules called that way gather themselves through their own hooks. While every unit
+is pinned (``full_parameters``) the root is never released, so an inference forward issues no
+collective: forwards and ``generate`` may then run on some ranks only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -123,6 +139,8 @@ class Schedule:
             self.fwd.begin()
         if torch.is_grad_enabled():
             args, kwargs = self._attach_post_backward(unit, args, kwargs)
+        if unit is self.root and unit.state is UnitState.RELEASED:
+            self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
         unit.active += 1
         self.trace("forward", unit)
@@ -148,6 +166,9 @@ class Schedule:
                 t.register_hook(partial(self._pre_backward, unit))
             unit.hooked = unit.hooked or bool(outs)
         if unit is self.root and unit.active == 0:
+            # A forward that exchanged nothing (every unit it used was held) has nothing to
+            # tell apart: its marker must not land on some later, unrelated exchange.
+            self.check.mark(Op.NOTHING)
             unit.kept = unit.kept or bool(outs and torch.is_grad_enabled())
             self.fwd.end()
             self._drop_prefetches([])
@@ -155,6 +176,23 @@ class Schedule:
                 self._return_borrowed()
         self.trace("forward_end", unit)
         self.maybe_release(unit)
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Hold the root gathered while ``generate`` runs ([Note: inference])."""
+        root = self.root
+        if root.state is UnitState.RELEASED:
+            self.check.mark(Op.GENERATE)
+        self._use(root)
+        root.scoped += 1
+        try:
+            yield
+        finally:
+            root.scoped -= 1
+            if not root.scoped:
+                self._drop_prefetches([])
+                self._return_borrowed()
+                self.maybe_release(root)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -261,7 +299,7 @@ class Schedule:
         if not unit.spec.attached:
             return False
         parent = self.units[unit.spec.parent] if unit.spec.parent is not None else None
-        if parent is None or not (parent.active or parent.kept):
+        if parent is None or not (parent.active or parent.kept or parent.scoped):
             return False
         unit.borrowed = True
         self._use(unit)

@@ -8,6 +8,7 @@ collectives) → ``ShardedSegment`` (one flat buffer's storage and views).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +215,16 @@ class ShardedParams:
             u.pinned -= 1
             if not u.held:
                 self.gatherer.release(u)
+
+    def generating(self) -> AbstractContextManager[None]:
+        """The root held gathered while ``generate`` runs ([Note: inference] in hooks.py)."""
+        assert self.schedule is not None, "start() registers the schedule"
+        return self.schedule.generating()
+
+    def fully_pinned(self) -> bool:
+        """Every unit is held by ``full_parameters`` (or ``state_dict``): forwards issue no
+        collective ([Note: inference] in hooks.py)."""
+        return all(u.pinned for u in self.units)
 
     def persistent_segments(self) -> list[tuple[int, Segment]]:
         return [(i, self.segments[i]) for i in self.persistent_seg_ids]

@@ -17,14 +17,18 @@ left), ``approve`` agrees on the whole plan, up to ``PLAN_SLOTS`` collectives pe
 each collective of the plan then goes ahead without an exchange of its own: about 2 checks per
 unit per step instead of 3. A plan is compared as a whole, slot by slot (a single check is a plan
 of one), so a rank that plans something else still meets the others at an exchange of the same
-shape and every rank raises. ``ZeroConfig.check_unit_order=False`` skips the checks once a model
-is known to run the same units on every rank.
+shape and every rank raises. Each exchange also carries a *marker* column (``mark``): what the
+rank started since the last exchange (a training forward, a forward without gradients,
+``generate``), so ranks doing different kinds of work over the same units are told apart with
+no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.check_unit_order=False`` skips
+the checks once a model is known to run the same units on every rank.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from typing import NoReturn
 
 import torch
 
@@ -36,7 +40,15 @@ class Op(enum.IntEnum):
     GATHER = 1
     REDUCE = 2
     STEP = 3
+    BUFFERS = 7  # the broadcast of the root's buffers before a training forward
+    # Markers (``OrderCheck.mark``): no collective of their own; what a rank starts, agreed on
+    # in the next exchange ([Note: inference] in hooks.py).
+    TRAIN = 4
+    INFER = 5
+    GENERATE = 6
 
+
+_UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS)
 
 PLAN_SLOTS = 4
 """Collectives agreed on per exchange (``approve``); every exchange has this shape."""
@@ -47,7 +59,19 @@ _VERBS = {
     Op.GATHER: "all-gathers",
     Op.REDUCE: "reduce-scatters",
     Op.STEP: "is at the step",
+    Op.TRAIN: "starts a training forward",
+    Op.INFER: "starts a forward without gradients (eval / no_grad)",
+    Op.GENERATE: "starts model.generate",
+    Op.BUFFERS: "broadcasts the module buffers",
 }
+
+_INFERENCE_HINT = (
+    " To generate or evaluate on some ranks only, or a different number of batches per rank, "
+    "hold the full parameters on every rank for the block: `with zerodp.full_parameters(model):`"
+    " (every rank), then run the forwards or generate on the ranks that need them inside it; "
+    "model.generate on every rank needs nothing (it keeps the ranks in step). See "
+    'docs/stage3.md, "Inference and generate".'
+)
 
 
 class OrderCheck:
@@ -63,6 +87,7 @@ class OrderCheck:
         self.error = ""  # a local problem every rank must learn about (raised at the next check)
         self.calls = 0  # exchanges so far
         self._approved: deque[tuple[Op, int]] = deque()  # agreed, not issued yet
+        self._marker = Op.NOTHING  # sent with the next exchange
 
     def __call__(self, op: Op, index: int = -1) -> None:
         """Agree with every rank that the next collective is ``op`` on ``index``: consumes the
@@ -76,6 +101,13 @@ class OrderCheck:
             raise RuntimeError(
                 f"zerodp internal error: planned {expected}, about to issue {(op, index)}"
             )
+
+    def mark(self, marker: Op) -> None:
+        """Agree on what this rank starts (a training forward, an inference forward,
+        ``generate``) in the next exchange: one more column of the row every exchange sends
+        anyway, so it costs nothing. ``Op.NOTHING`` drops a marker no exchange took."""
+        if self.enabled:
+            self._marker = marker
 
     def approve(self, plan: list[tuple[Op, int]]) -> None:
         """Agree with every rank on the next collectives, in order (see the module
@@ -92,7 +124,9 @@ class OrderCheck:
 
     def _exchange(self, part: list[tuple[Op, int]]) -> None:
         slots = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
-        flags = [int(bool(self.error))] + [v for op, i in slots for v in (int(op), i)]
+        flags = [int(bool(self.error)), int(self._marker)]
+        flags += [v for op, i in slots for v in (int(op), i)]
+        self._marker = Op.NOTHING
         mine = torch.tensor(flags, dtype=torch.int64, device=self.device)
         everyone = self.comm.all_gather_control(mine).tolist()
         self.calls += 1
@@ -102,21 +136,38 @@ class OrderCheck:
             raise RuntimeError(
                 f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
             )
-        for slot in range(PLAN_SLOTS):
-            seen = [(row[1 + 2 * slot], row[2 + 2 * slot]) for row in everyone]
+        # Column 1 is the marker, then (op, index) per slot. Where every rank starts some work
+        # and the kinds differ (one evaluates while another trains), that is the story; else the
+        # collectives say best where ranks diverge, and a marker differing alone comes last.
+        markers = [(Op(row[1]), -1) for row in everyone]
+        if Op.NOTHING not in {m for m, _ in markers} and len(set(markers)) > 1:
+            self._diverged(markers)
+        for col in range(2, 2 + 2 * PLAN_SLOTS, 2):
+            seen = [(Op(row[col]), row[col + 1]) for row in everyone]
             if any(s != seen[0] for s in seen):
-                self._approved.clear()
-                doing = "; ".join(
-                    f"rank {r} {self._describe(Op(o), i)}" for r, (o, i) in enumerate(seen)
-                )
-                raise RuntimeError(
-                    "zerodp stage 3: ranks diverged at a parameter collective: "
-                    f"{doing}. Every rank must run the same units in the same order in each "
-                    "step (a unit that runs on some ranks only is not supported: put its "
-                    "parameters in an enclosing unit via ZeroConfig.unit_classes or unit_policy)"
-                )
+                self._diverged(seen)
+        if len(set(markers)) > 1:
+            self._diverged(markers)
+
+    def _diverged(self, seen: list[tuple[Op, int]]) -> NoReturn:
+        self._approved.clear()
+        doing = "; ".join(f"rank {r} {self._describe(o, i)}" for r, (o, i) in enumerate(seen))
+        if any(o in (Op.INFER, Op.GENERATE) for o, _ in seen):
+            advice = (
+                "Every rank must run the same forwards at stage 3 (each gathers parameters)."
+                + _INFERENCE_HINT
+            )
+        else:
+            advice = (
+                "Every rank must run the same units in the same order in each step (a unit "
+                "that runs on some ranks only is not supported: put its parameters in an "
+                "enclosing unit via ZeroConfig.unit_classes or unit_policy)"
+            )
+        raise RuntimeError(
+            f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
+        )
 
     def _describe(self, op: Op, index: int) -> str:
-        if op in (Op.STEP, Op.NOTHING):
+        if op in _UNLABELLED:
             return _VERBS[op]
         return f"{_VERBS[op]} '{self.labels[index]}'"

@@ -41,6 +41,7 @@ class Unit:
     hooked: bool = False  # its forward ran in this pass with outputs that backward will reach
     ready_grads: int = 0  # parameters whose gradient was accumulated in this backward
     pinned: int = 0  # full_parameters / state_dict / load_state_dict
+    scoped: int = 0  # the root, while model.generate runs ([Note: inference] in hooks.py)
     # Per backward: post-backward callbacks still expected (one per forward call whose inputs
     # require grad) and whether the gradients were reduce-scattered.
     pending_post_backward: int = 0
@@ -67,6 +68,7 @@ class Unit:
             or self.kept
             or self.borrowed
             or self.pinned
+            or self.scoped
         )
 
     @property
