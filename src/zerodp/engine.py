@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
@@ -25,6 +24,7 @@ from zerodp.grads.reducer import GradReducer
 from zerodp.optim.agreement import KeptGrads, agree_on_step
 from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
+from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
@@ -86,7 +86,7 @@ class ZeroEngine:
         error = error or check_optimizer(optimizer, (p for _, p in named))
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
-        self._fp32_ids = _batchnorm_param_ids(model) if self.plan.mixed else set()
+        self._fp32_ids = batchnorm_param_ids(model) if self.plan.mixed else set()
         self.params = None
         if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
             optimized = set(group_of_params(optimizer))
@@ -198,24 +198,10 @@ class ZeroEngine:
                 self.comm.broadcast(b)
 
     def _cast_to_compute_dtype(self) -> None:
-        """Compute copies: trainable and frozen floating parameters in the compute dtype; module
-        buffers keep their dtype. BatchNorm layers (whose running statistics must stay fp32 and
-        whose kernels need parameters of the statistics' dtype) stay entirely fp32: their input
-        is cast to fp32 and their output back to the compute dtype."""
         dtype = self.plan.compute_dtype
-        for seg in self.segments:
-            if id(seg.params[0]) not in self._fp32_ids:
-                seg.cast_(dtype)
-        for _, p in self.frozen:
-            if p.is_floating_point() and id(p) not in self._fp32_ids:
-                p.data = p.data.to(dtype)
-        for module in self.model.modules():
-            if isinstance(module, _BatchNorm):
-                self._hooks.append(module.register_forward_pre_hook(_to_fp32_inputs))
-                self._hooks.append(module.register_forward_hook(self._to_compute_output))
-
-    def _to_compute_output(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return _cast_floats(output, self.plan.compute_dtype)
+        self._hooks += cast_to_compute_dtype(
+            self.model, self.segments, self.frozen, self._fp32_ids, dtype
+        )
 
     def _build_pieces(self, optimizer: torch.optim.Optimizer) -> list[OptimPiece]:
         rank = self.comm.rank
@@ -241,7 +227,7 @@ class ZeroEngine:
         if not self.plan.mixed:
             return None
         dtype = self.plan.compute_dtype
-        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     def _broadcasts_buffers(self, module: nn.Module) -> bool:
         """[Note: buffers] Rank 0's buffers are broadcast only before a *training* forward
@@ -397,27 +383,6 @@ class ZeroEngine:
             self.params.remove()
         for h in self._hooks:
             h.remove()
-
-
-def _batchnorm_param_ids(model: nn.Module) -> set[int]:
-    return {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
-
-
-def _to_fp32_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return _cast_floats(args, torch.float32)
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in (nested) forward inputs, cast to the compute dtype."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floats(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

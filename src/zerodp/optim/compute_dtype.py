@@ -1,0 +1,70 @@
+"""Mixed precision's compute copies: parameters in the compute dtype, forward inputs cast.
+
+Trainable and frozen floating parameters are stored in the compute dtype; module buffers keep
+their dtype. BatchNorm layers (whose running statistics must stay fp32 and whose kernels need
+parameters of the statistics' dtype) stay entirely fp32: their input is cast to fp32 and their
+output back to the compute dtype ([Note: mixed precision] in docs/design.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+from zerodp.partition.segment import Segment
+
+
+def batchnorm_param_ids(model: nn.Module) -> set[int]:
+    """Parameters that stay fp32 under mixed precision."""
+    return {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
+
+
+def cast_to_compute_dtype(
+    model: nn.Module,
+    segments: list[Segment],
+    frozen: list[tuple[str, nn.Parameter]],
+    fp32_ids: set[int],
+    dtype: torch.dtype,
+) -> list[RemovableHandle]:
+    """Cast the segments and frozen parameters (``p.data =``: the user's tensors are replaced,
+    never written); returns the BatchNorm hooks."""
+    for seg in segments:
+        if id(seg.params[0]) not in fp32_ids:
+            seg.cast_(dtype)
+    for _, p in frozen:
+        if p.is_floating_point() and id(p) not in fp32_ids:
+            p.data = p.data.to(dtype)
+    hooks = []
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            hooks.append(module.register_forward_pre_hook(_to_fp32_inputs))
+            hooks.append(module.register_forward_hook(_output_caster(dtype)))
+    return hooks
+
+
+def _to_fp32_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return cast_floats(args, torch.float32)
+
+
+def _output_caster(dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floats(output, dtype)
+
+    return hook
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in (nested) forward inputs, cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
+    return value
