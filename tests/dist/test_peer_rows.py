@@ -7,6 +7,9 @@ against unsharded training on the same global batch (docs/peer-tests.md lists th
 - DeepSpeed ``test_zero_tensor_fragment``: param groups in another order than the layout; every
   entry of ``opt.state_dict()`` must be labelled with its own parameter and range.
 - FSDP2 ``single_group``: a 0-dim (scalar) parameter trains at every stage.
+- FSDP2 ``test_gradient_accumulation``: a synchronised backward per micro-batch (no
+  ``no_sync``) accumulates exactly (stage 1 refuses it with a clear error, tested in
+  test_precision.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from zerotest import (
     make_pair,
     mse,
     rank_world,
+    reference_step,
     sgd_momentum,
 )
 
@@ -291,3 +295,41 @@ def case_scalar_parameter(stage: int, optim: str) -> list[float]:
 def test_scalar_parameter(world, stage, optim):
     """FSDP2 ``single_group`` with a 0-dim parameter: parity at every stage."""
     world(2).run(case_scalar_parameter, stage, optim, timeout=TIMEOUT)
+
+
+# -- 4. gradient accumulation with a synchronised backward per micro-batch ----------------------
+
+MICRO = 2
+
+
+def case_synced_micro_batches(stage: int, model_name: str) -> float:
+    """FSDP2 ``test_gradient_accumulation`` / DDP without ``no_sync``: every micro-batch's
+    backward reduces; the step sees the sum over micro-batches of the rank-averaged gradients,
+    exactly as unsharded training on the loss sum."""
+    rank, world = rank_world()
+    if model_name == "gpt2":
+        pair = make_pair(lambda: build_hf("gpt2"), sgd_momentum, _cfg(stage, ("GPT2Block",)))
+    else:
+        pair = make_pair(MLP, sgd_momentum, _cfg(stage))
+    worst = 0.0
+    for step in range(3):
+        for micro in range(MICRO):
+            seed = 10 * step + micro
+            if model_name == "gpt2":
+                losses = hf_loss(global_batches("gpt2", seed, world))
+            else:
+                losses = mse(batches(seed, world, 3, [(7,), (5,)]))
+            reference_step(pair, losses, world, step=False)
+            losses(pair.model, rank).backward()
+        pair.ref_opt.step()
+        pair.ref_opt.zero_grad()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
+    return worst
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_synchronised_micro_batches(world, stage, model_name):
+    world(2).run(case_synced_micro_batches, stage, model_name, timeout=TIMEOUT)

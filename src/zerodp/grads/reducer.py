@@ -213,6 +213,12 @@ class GradReducer:
     def _on_backward_end(self) -> None:
         if self.sync_enabled:
             self._launch_remaining()
+            if self.mode is ReduceMode.ALL_REDUCE:
+                # Stage 0 reduces in the gradient buffer itself, which the next backward
+                # accumulates into (synchronised micro-batches without no_sync): wait here, as
+                # DDP does at the end of every backward, so that a collective is never still
+                # summing the buffer and each round is averaged before the next adds to it.
+                self._inflight.wait_all()
         self._reset_backward()
 
     def _launch_remaining(self) -> None:
