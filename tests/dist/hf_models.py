@@ -9,7 +9,8 @@ compute the same function. The kinds cover what trips sharding up:
 - ``bert``: masked LM with labels -100 on unmasked tokens, plus a pooler whose output the loss
   never uses (its parameters get no gradient);
 - ``t5``: encoder-decoder, the shared embedding used by the encoder, the decoder and the head;
-- ``lora``: PEFT LoRA adapters on a frozen Llama (a few trainable parameters).
+- ``lora``: PEFT LoRA adapters on a frozen Llama (a few trainable parameters);
+- ``albert``: one layer shared by every depth (a module applied three times per forward).
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def lora() -> nn.Module:
     return get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
 
 
+def albert() -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    cfg = AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=8,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_hidden_groups=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        pad_token_id=0,
+    )
+    return AlbertForMaskedLM(cfg)
+
+
 def _tokens(g: torch.Generator, rows: int, low: int = 3) -> torch.Tensor:
     return torch.randint(low, VOCAB, (rows, SEQ), generator=g)
 
@@ -156,6 +177,7 @@ MODELS: dict[str, HFModel] = {
     "bert": HFModel(bert, masked_batch, "BertLayer"),
     "t5": HFModel(t5, seq2seq_batch, "T5Block"),
     "lora": HFModel(lora, causal_batch, "LlamaDecoderLayer"),
+    "albert": HFModel(albert, masked_batch, "AlbertLayer"),
 }
 
 

@@ -333,3 +333,45 @@ def case_synced_micro_batches(stage: int, model_name: str) -> float:
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_synchronised_micro_batches(world, stage, model_name):
     world(2).run(case_synced_micro_batches, stage, model_name, timeout=TIMEOUT)
+
+
+# -- 5. stage 3: one unit applied several times in one forward ----------------------------------
+
+
+class Twice(nn.Module):
+    """DeepSpeed ``SimpleModel`` / FSDP2 ``multi_forward``: ``layers[i // 2]`` is applied again
+    at depth i, to the same input as ``layers[i]``; ``layers[0]`` runs twice on the model input
+    (which needs no gradient) and once more on a hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(self.layers[i // 2](x) + layer(x))
+        return self.head(x)
+
+
+def case_unit_applied_twice(stage: int) -> float:
+    rank, world = rank_world()
+    pair = make_pair(Twice, adamw_two_groups, _cfg(stage))
+    worst = 0.0
+    for step in range(3):
+        losses = mse(batches(step, world, 3, [(6,), (5,)]))
+        reference_step(pair, losses, world)
+        losses(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
+    return worst
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_unit_applied_several_times(world, stage):
+    """Stage 3 reduces a unit's gradients once every use's backward has run: after the last
+    post-backward callback, or, when a call's inputs need no gradient (no callback for it),
+    once every parameter's gradient is accumulated ([Note: stage-3 schedule]). The Hugging
+    Face case is ALBERT (one layer applied at every depth) in test_hf_models.py."""
+    world(2).run(case_unit_applied_twice, stage, timeout=TIMEOUT)

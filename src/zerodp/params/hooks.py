@@ -20,10 +20,13 @@ Backward:
          collectives (in practice the pre-backward hook of the unit before it, which fires right
          after) issues first, under one order check with its own gathers (``approve``: one
          rank-synchronising check per hook instead of two).
-  grad ready (a parameter's post-accumulate-grad hook): an attached unit that was only read on
-         demand (its module's forward did not run) is reduce-scattered and released once every
-         one of its parameters has its gradient (each has one AccumulateGrad per backward, run
-         after every use).
+         A unit with a call on inputs that need no gradient (token ids; the model input given
+         to the same unit twice) is "untracked": that call has no callback, so the last
+         callback does not mean the last use, and the unit waits for "grad ready".
+  grad ready (a parameter's post-accumulate-grad hook): an untracked unit, or an attached unit
+         that was only read on demand (its module's forward did not run), is reduce-scattered
+         and released once every one of its parameters has its gradient (each has one
+         AccumulateGrad per backward, run after every use).
   end    (an autograd engine callback): reduce-scatter every unit not reduced yet (unused units,
          units whose inputs need no gradient), then the persistent segments, in a fixed order;
          release everything; the recorded orders become the next predictions.
@@ -153,6 +156,7 @@ class Schedule:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         needs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not needs:
+            unit.untracked = True
             return args, kwargs
         unit.pending_post_backward += 1
         outs = iter(PostBackward.apply(self, unit, *needs))
@@ -217,7 +221,9 @@ class Schedule:
         unit.pending_post_backward -= 1
         if unit.pending_post_backward > 0:  # an earlier call of the unit is still to come
             return
-        if self.grads.sync_enabled and not unit.reduced:
+        # A unit also called on inputs that need no gradient may have a call whose backward is
+        # still to come: it is reduced when its gradients are complete ("grad ready").
+        if self.grads.sync_enabled and not unit.reduced and not unit.untracked:
             unit.reduced = True  # issued by the next hook that issues collectives
             self._deferred.append(unit)
         unit.in_backward = False
@@ -236,16 +242,20 @@ class Schedule:
             )
             return
         unit.ready_grads += 1
+        if unit.ready_grads < unit.num_params:
+            return
         hooked = unit.hooked or unit.pending_post_backward
-        if unit.borrowed and not hooked and unit.ready_grads == unit.num_params:
-            # An attached unit only read on demand (a head applied as F.linear(x, head.weight)
-            # in the root's forward): no module hook tells when its backward is done, but its
-            # gradients are complete once each parameter's (single) AccumulateGrad ran. Reduce
-            # and release it now rather than at the end of backward.
+        if unit.untracked or (unit.borrowed and not hooked):
+            # No post-backward callback covers every use of the unit: an attached unit only
+            # read on demand (a head applied as F.linear(x, head.weight) in the root's
+            # forward), or a call on inputs that need no gradient (token ids; a unit applied
+            # to the same input twice). Each parameter has one AccumulateGrad per backward,
+            # run after every use, so the gradients are complete now: reduce and release.
             self.check.approve(self._deferred_plan() + self._reduce_plan(unit))
             self._flush_deferred()
             self._reduce(unit)
             unit.borrowed = False
+            unit.in_backward = False
             self.maybe_release(unit)
 
     def _open_backward(self) -> None:
@@ -354,5 +364,6 @@ class Schedule:
             unit.borrowed = False
             unit.hooked = False
             unit.ready_grads = 0
+            unit.untracked = False
             unit.prefetched = False
             self.maybe_release(unit)

@@ -46,6 +46,10 @@ class Unit:
     # require grad) and whether the gradients were reduce-scattered.
     pending_post_backward: int = 0
     reduced: bool = False
+    # A forward call in this pass had no input that requires grad, so no post-backward callback
+    # tells when its backward is done: the gradients are complete when every parameter's
+    # AccumulateGrad ran ([Note: stage-3 schedule] in hooks.py, "grad ready").
+    untracked: bool = False
 
     @property
     def index(self) -> int:
