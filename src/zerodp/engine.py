@@ -21,7 +21,7 @@ from torch import nn
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
-from zerodp.optim.agreement import KeptGrads, agree_on_step
+from zerodp.optim.agreement import KeptGrads, agree_on_step, check_unfrozen
 from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
@@ -33,6 +33,7 @@ from zerodp.optim.pieces import (
     group_of_params,
     make_pieces,
     rebind_optimizer,
+    replace_pieces,
 )
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
@@ -87,9 +88,10 @@ class ZeroEngine:
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
         self._fp32_ids = batchnorm_param_ids(model) if self.plan.mixed else set()
+        self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
         self.params = None
         if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
-            optimized = set(group_of_params(optimizer))
+            optimized = set(self._groups)
             self.params = ShardedParams(
                 model,
                 trainable,
@@ -111,20 +113,14 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         if plan.mixed:
             self._cast_to_compute_dtype()
-        reduce_dtype = plan.reduce_dtype if plan.mixed else None
+        self._reduce_dtype = plan.reduce_dtype if plan.mixed else None
         if self.params is not None:  # [stage 3] per-unit reduce-scatters, run by its hooks
-            self.reducer = self.params.start(self.masters, reduce_dtype)
+            self.reducer = self.params.start(self.masters, self._reduce_dtype)
         else:
-            self.reducer = GradReducer(self.segments, self.comm, plan.reduce_mode, reduce_dtype)
-            self.reducer.register_hooks()
-        self.pieces = self._build_pieces(optimizer)
+            self.reducer = self._grad_reducer()
+        self.pieces = self._build_pieces()
         rebind_optimizer(optimizer, self.pieces, self.segments)
-        self.chunked = None
-        if plan.mixed:  # [Note: chunked fp32 gradients] in optim/chunked.py
-            sharded = self.masters.sharded
-            self.chunked = ChunkedGrads(
-                self.segments, self.pieces, sharded=sharded, rank=self.comm.rank
-            )
+        self.chunked = self._chunked()
         # Stage 3's persistent parameters may be read anywhere: their gather is not deferred.
         self.param_gather = DeferredGather(
             [s for s in self.segments if not isinstance(s, ShardedSegment)],
@@ -136,6 +132,8 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        # Before the schedule's root hook and the parameter-gather waits: [Note: unfreezing].
+        self._hooks.append(model.register_forward_pre_hook(self._adopt_unfrozen, prepend=True))
         if self.params is not None:  # [stage 3] see params/nocompile.py
             self._hooks.append(model.register_forward_pre_hook(refuse_compile, prepend=True))
         self.steps = 0
@@ -155,7 +153,9 @@ class ZeroEngine:
 
     # -- construction --------------------------------------------------------------------------
 
-    def _build_segments(self, trainable: list[tuple[str, nn.Parameter]]) -> list[Segment]:
+    def _build_segments(
+        self, trainable: list[tuple[str, nn.Parameter]], first: int = 0
+    ) -> list[Segment]:
         # DDP's order: reversed registration order approximates the order gradients are ready.
         ordered = list(reversed(trainable))
         by_kind: dict[tuple[torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
@@ -174,7 +174,8 @@ class ZeroEngine:
                 self.plan.bucket_numel(dtype),
                 self.plan.align(dtype),
             )
-            segments.append(Segment.build(i, layout, [p for _, p in items], [n for n, _ in items]))
+            params, names = [p for _, p in items], [n for n, _ in items]
+            segments.append(Segment.build(first + i, layout, params, names))
         return segments
 
     def _broadcast_segments(self) -> None:
@@ -203,7 +204,12 @@ class ZeroEngine:
             self.model, self.segments, self.frozen, self._fp32_ids, dtype
         )
 
-    def _build_pieces(self, optimizer: torch.optim.Optimizer) -> list[OptimPiece]:
+    def _grad_reducer(self) -> GradReducer:
+        reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode, self._reduce_dtype)
+        reducer.register_hooks()
+        return reducer
+
+    def _build_pieces(self) -> list[OptimPiece]:
         rank = self.comm.rank
         per_seg = [
             s.layout.pieces(rank) if self.plan.shard_optimizer else s.layout.full_pieces()
@@ -211,7 +217,43 @@ class ZeroEngine:
         ]
         master = [self.masters.storage(i) for i in range(len(self.segments))]
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
-        return make_pieces(self.segments, per_seg, group_of_params(optimizer), master, grads)
+        return make_pieces(self.segments, per_seg, self._groups, master, grads)
+
+    def _chunked(self) -> ChunkedGrads | None:
+        if not self.plan.mixed:  # [Note: chunked fp32 gradients] in optim/chunked.py
+            return None
+        return ChunkedGrads(
+            self.segments, self.pieces, sharded=self.masters.sharded, rank=self.comm.rank
+        )
+
+    def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """[Note: unfreezing] A parameter frozen at ``initialize`` has no segment, bucket or
+        optimizer piece. When it requires grad again (progressive unfreezing), the first forward
+        with grad enabled adopts it, before any gradient of it exists: new segments (stage 3:
+        persistent ones) built like the first ones, their masters and gather, a reducer over
+        every segment, and the optimizer rebound to the pieces, each old piece keeping its state.
+        Every rank must unfreeze the same parameters before the same forward (checked: one
+        small collective, only then). Freezing a trainable parameter needs nothing: it gets no
+        gradient and is not stepped, as a parameter unused in a step."""
+        if not torch.is_grad_enabled() or not any(p.requires_grad for _, p in self.frozen):
+            return
+        unfrozen = [(n, p) for n, p in self.frozen if p.requires_grad]
+        check_unfrozen(self.comm, [n for n, _ in unfrozen], self.reducer.used)
+        self.param_gather.wait_all()
+        self.frozen = [(n, p) for n, p in self.frozen if not p.requires_grad]
+        new = self._build_segments(unfrozen, first=len(self.segments))
+        self.segments += new  # in place: the masters' (and stage 3's manager's) list too
+        if self.params is None:
+            self.reducer.remove_hooks()
+            self.reducer = self._grad_reducer()
+        else:  # [stage 3] persistent segments
+            self.reducer = self.params.adopt([s.index for s in new], self._reduce_dtype)
+        self.masters.add(new)
+        self.param_gather.add(new)
+        self.kept_grads.add(new)
+        old, self.pieces = self.pieces, self._build_pieces()
+        replace_pieces(self.optimizer, old, self.pieces)
+        self.chunked = self._chunked()
 
     # -- the training step ---------------------------------------------------------------------
 

@@ -24,11 +24,14 @@ from torch import nn
 from zerotest import (
     MLP,
     Branchy,
+    Pair,
     adamw_two_groups,
     assert_close,
     batches,
     build,
+    full,
     make_pair,
+    max_rel_error,
     mse,
     rank_world,
     reference_step,
@@ -375,3 +378,286 @@ def test_unit_applied_several_times(world, stage):
     once every parameter's gradient is accumulated ([Note: stage-3 schedule]). The Hugging
     Face case is ALBERT (one layer applied at every depth) in test_hf_models.py."""
     world(2).run(case_unit_applied_twice, stage, timeout=TIMEOUT)
+
+
+# -- 6. requires_grad switched between steps (progressive unfreezing) ---------------------------
+
+
+class Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 9)
+        self.fc2 = nn.Linear(9, 6)
+        self.fc3 = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+# Before each step: (module, requires_grad). fc1 starts frozen (no segment at initialize); it is
+# adopted before step 1. fc3 is frozen then unfrozen (it keeps its segment), fc1 frozen again
+# after its adoption and unfrozen once more.
+FLIPS = {
+    1: [("fc1", True)],
+    2: [("fc3", False)],
+    3: [("fc3", True)],
+    4: [("fc1", False)],
+    5: [("fc1", True)],
+}
+
+
+def _layer_groups(model: nn.Module, frozen_too: bool) -> list[dict]:
+    groups = []
+    for i, name in enumerate(("fc1", "fc2", "fc3")):
+        params = [p for p in getattr(model, name).parameters() if frozen_too or p.requires_grad]
+        groups.append({"params": params, "lr": 1e-2 * (i + 1), "weight_decay": 0.1})
+    return groups
+
+
+def _set(model: nn.Module, name: str, flag: bool) -> None:
+    for p in getattr(model, name).parameters():
+        p.requires_grad_(flag)
+
+
+def case_progressive_unfreezing(stage: int, frozen_in_optimizer: bool) -> list[float]:
+    """Returns the relative change of fc1.weight in the reference at each step (the scenario
+    must really train the unfrozen layer, or really leave it alone)."""
+    rank, world = rank_world()
+    ref, model = build(Three), build(Three)
+    for m in (ref, model):
+        _set(m, "fc1", False)
+    ref_opt = torch.optim.AdamW(_layer_groups(ref, frozen_in_optimizer))
+    model, opt = zerodp.initialize(
+        model, torch.optim.AdamW(_layer_groups(model, frozen_in_optimizer)), _cfg(stage)
+    )
+    moved = []
+    for step in range(7):
+        for name, flag in FLIPS.get(step, []):
+            _set(ref, name, flag)
+            _set(model, name, flag)
+        data = batches(step, world, 3, [(7,), (5,)])
+        before = ref.fc1.weight.detach().clone()
+        reference_step(Pair(model, opt, ref, ref_opt), mse(data), world)
+        mse(data)(model, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        assert_close(model, ref, tol=1e-5, what=f"stage {stage} step {step}")
+        moved.append(((ref.fc1.weight.detach() - before).norm() / before.norm()).item())
+    return moved
+
+
+@pytest.mark.parametrize("frozen_in_optimizer", [True, False])
+@pytest.mark.parametrize("stage", STAGES)
+def test_progressive_unfreezing(world, stage, frozen_in_optimizer):
+    """DeepSpeed ``TestZeroUnbalancedGradients`` / progressive unfreezing: ``requires_grad``
+    switched on and off between steps trains exactly as unsharded training, with the frozen
+    layer in the optimizer from the start (stepped once unfrozen) or not (never stepped)."""
+    out = world(2).run(case_progressive_unfreezing, stage, frozen_in_optimizer, timeout=TIMEOUT)
+    for moved in out:
+        trained = [m > 0 for m in moved]
+        if frozen_in_optimizer:  # frozen at 0 and 4; trained at 1-3, 5, 6
+            assert trained == [False, True, True, True, False, True, True], moved
+        else:
+            assert not any(trained), moved
+
+
+def _gpt2_frozen_base() -> nn.Module:
+    """Tiny GPT-2 with everything frozen but the last block and the final norm."""
+    model = build_hf("gpt2")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("transformer.h.1.", "transformer.ln_f.")))
+    return model
+
+
+# Before each step: name prefixes unfrozen (wte is tied to the LM head).
+GPT2_UNFREEZE = {1: ("transformer.h.0.",), 2: ("transformer.wte.", "transformer.wpe.")}
+
+
+def case_progressive_unfreezing_gpt2(stage: int) -> float:
+    from test_hf_models import OPTIMIZERS as HF_OPTIMIZERS
+    from test_hf_models import max_error
+
+    rank, world = rank_world()
+    cfg = zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=4096, unit_classes=("GPT2Block",) if stage == 3 else ()
+    )
+    pair = make_pair(_gpt2_frozen_base, HF_OPTIMIZERS["adamw"], cfg)
+    worst = 0.0
+    for step in range(4):
+        for m in (pair.model, pair.ref):
+            for name, p in m.named_parameters():
+                if name.startswith(GPT2_UNFREEZE.get(step, ())):
+                    p.requires_grad_(True)
+        losses = hf_loss(global_batches("gpt2", step, world))
+        reference_step(pair, losses, world)
+        losses(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        err = max_error(pair.model, pair.ref)
+        assert err <= 1e-5, f"stage {stage} step {step}: {err:.3e}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_progressive_unfreezing_gpt2(world, stage):
+    world(2).run(case_progressive_unfreezing_gpt2, stage, timeout=TIMEOUT)
+
+
+def _bf16_exact(factory: type[nn.Module]) -> nn.Module:
+    """Parameters rounded to bf16-representable values: then a master built from a bf16
+    parameter (adopted after being frozen in bf16) equals one built from the fp32 value."""
+    model = build(factory)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def case_adopted_equals_trainable_from_start(stage: int, precision: str) -> float:
+    rank, world = rank_world()
+    cfg = zerodp.ZeroConfig(
+        stage=stage,
+        precision=precision,
+        bucket_bytes=96,
+        unit_classes=("Linear",) if stage == 3 else (),
+    )
+    runs = []
+    for adopt in (True, False):
+        model = _bf16_exact(Three)
+        if adopt:
+            _set(model, "fc1", False)
+        opt = torch.optim.AdamW(_layer_groups(model, frozen_too=True))
+        model, opt = zerodp.initialize(model, opt, cfg)
+        for step in range(3):
+            _set(model, "fc1", True)
+            x, y = batches(step, world, 3, [(7,), (5,)])[rank]
+            loss = F.mse_loss(model(x).float(), y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        with full(model):
+            runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_adopted_parameters_train_like_trainable_ones(world, stage, precision):
+    """A layer frozen at initialize and unfrozen before the first step trains bit for bit as
+    when it is trainable from the start, in every precision (the mixed-precision masters of an
+    adopted parameter come from its compute-dtype value: equal here because the weights are
+    bf16-representable)."""
+    out = world(2).run(case_adopted_equals_trainable_from_start, stage, precision, timeout=TIMEOUT)
+    # fp32 stages 1-3: 3.0e-8 max absolute difference measured (weights ~0.3): the adopted
+    # layer is a segment of its own, so its pieces are stepped in other multi-tensor groups.
+    # Mixed precision publishes bf16/fp16 parameters, equal bit for bit.
+    bound = 1e-7 if precision == "fp32" else 0.0
+    assert max(out) <= bound, out
+
+
+def case_unfreeze_errors(stage: int, how: str) -> str:
+    rank, world = rank_world()
+    model = build(Three)
+    _set(model, "fc1", False)
+    model, _ = zerodp.initialize(
+        model, torch.optim.AdamW(_layer_groups(model, frozen_too=True)), _cfg(stage)
+    )
+    x, y = batches(0, world, 3, [(7,), (5,)])[rank]
+    if how == "different":  # rank 0 unfreezes the weight, rank 1 the bias
+        (model.fc1.weight if rank == 0 else model.fc1.bias).requires_grad_(True)
+    else:  # between two micro-batches of one step
+        with model.no_sync():
+            F.mse_loss(model(x), y).backward()
+        _set(model, "fc1", True)
+    try:
+        F.mse_loss(model(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def case_unfreeze_between_micro_batches_stage3() -> float:
+    """Stage 3 keeps ``no_sync`` gradients in ``param.grad`` (reduced by the synchronised
+    backward), so nothing accumulated is lost when the reducer is rebuilt: allowed, and exact."""
+    rank, world = rank_world()
+    ref, model = build(Three), build(Three)
+    for m in (ref, model):
+        _set(m, "fc1", False)
+    ref_opt = torch.optim.AdamW(_layer_groups(ref, frozen_too=True))
+    opt = torch.optim.AdamW(_layer_groups(model, frozen_too=True))
+    model, opt = zerodp.initialize(model, opt, _cfg(3))
+    pair = Pair(model, opt, ref, ref_opt)
+    worst = 0.0
+    for step in range(2):
+        first, second = (mse(batches(10 * step + k, world, 3, [(7,), (5,)])) for k in (0, 1))
+        reference_step(pair, first, world, step=False)
+        with model.no_sync():
+            first(model, rank).backward()
+        if step == 0:
+            _set(ref, "fc1", True)
+            _set(model, "fc1", True)
+        reference_step(pair, second, world)
+        second(model, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, assert_close(model, ref, tol=1e-5, what=f"step {step}"))
+    return worst
+
+
+def test_unfreezing_errors(world):
+    """Ranks that unfreeze different parameters, or unfreeze between micro-batches (stages
+    0-2, whose reducer holds the accumulated gradients), get the same clear error on every rank
+    (nothing was changed). Stage 3 adopts between micro-batches with parity."""
+    world(2).run(case_unfreeze_between_micro_batches_stage3, timeout=TIMEOUT)
+    for stage in STAGES:
+        out = world(2).run(case_unfreeze_errors, stage, "different", timeout=TIMEOUT)
+        head = "zerodp: cannot adopt unfrozen parameters:\n  "
+        want = head + "rank 1 unfroze ['fc1.bias'] but rank 0 unfroze ['fc1.weight']"
+        assert out == [want, want], (stage, out)
+        if stage == 3:
+            continue
+        out = world(2).run(case_unfreeze_errors, stage, "micro", timeout=TIMEOUT)
+        late = (
+            "has gradients accumulated since the last zero_grad (a backward ran before this "
+            "forward): unfreeze parameters after opt.step() / opt.zero_grad(), not between "
+            "micro-batches"
+        )
+        want = head + f"rank 0 {late}\n  rank 1 {late}"
+        assert out == [want, want], (stage, out)
+
+
+def case_checkpoint_after_unfreezing(stage: int, load_stage: int, tmp: str) -> float:
+    """Save after a layer was adopted, load into a fresh model in which it is trainable from
+    the start (another stage), continue: the same as continuing the first run."""
+    rank, world = rank_world()
+    model = build(Three)
+    _set(model, "fc1", False)
+    opt = torch.optim.AdamW(_layer_groups(model, frozen_too=True))
+    model, opt = zerodp.initialize(model, opt, _cfg(stage))
+
+    def train(m: nn.Module, o: zerodp.ZeroOptimizer, steps: range) -> None:
+        for step in steps:
+            mse(batches(step, world, 3, [(7,), (5,)]))(m, rank).backward()
+            o.step()
+            o.zero_grad()
+
+    train(model, opt, range(1))
+    _set(model, "fc1", True)
+    train(model, opt, range(1, 3))
+    zerodp.save_checkpoint(tmp, model, opt)
+    train(model, opt, range(3, 5))
+    fresh = build(Three, seed=7)
+    fresh_opt = torch.optim.AdamW(_layer_groups(fresh, frozen_too=True))
+    fresh, fresh_opt = zerodp.initialize(fresh, fresh_opt, _cfg(load_stage))
+    zerodp.load_checkpoint(tmp, fresh, fresh_opt)
+    train(fresh, fresh_opt, range(3, 5))
+    return max_rel_error(fresh, model)
+
+
+@pytest.mark.parametrize(("stage", "load_stage"), [(0, 3), (2, 1), (3, 2)])
+def test_checkpoint_after_unfreezing(world, tmp_path, stage, load_stage):
+    out = world(2).run(
+        case_checkpoint_after_unfreezing, stage, load_stage, str(tmp_path), timeout=TIMEOUT
+    )
+    assert max(out) <= 1e-6, out

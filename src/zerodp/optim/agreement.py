@@ -2,15 +2,18 @@
 and whether some rank detected misuse, decided by every rank from the same all-reduced flags.
 
 [Note: step agreement] One small all-reduce (MAX) of
-``[used bit per parameter..., error, non-finite]``:
+``[used bit per parameter..., requires_grad per parameter..., its complement..., error,
+non-finite]``:
 
 - a parameter gets an update iff it *has a gradient* in unsharded training on the same global
   batch: some rank produced one since the last ``zero_grad``, or some rank produced one before a
   ``zero_grad(set_to_none=False)`` with no ``zero_grad(set_to_none=True)`` since ([Note: kept
   gradients]). A parameter without a gradient gets no weight decay, momentum or step count;
 - a step is skipped on every rank if any rank saw a non-finite gradient;
-- the error flag (``requires_grad`` changed after ``initialize``) makes every rank raise together
-  instead of leaving the others blocked in the next collective.
+- a parameter whose ``requires_grad`` and its complement both come out 1 is frozen on some ranks
+  only (its gradient would be averaged with nothing): every rank raises;
+- the error flag (a parameter unfrozen after its forward, so its gradient was never reduced)
+  makes every rank raise together instead of leaving the others blocked in the next collective.
 
 [Note: kept gradients] In torch, ``zero_grad(set_to_none=False)`` leaves a zero ``.grad`` on
 every parameter that had one, and it stays until a ``zero_grad(set_to_none=True)``: the optimizer
@@ -40,18 +43,31 @@ def agree_on_step(
     nonfinite: bool,
 ) -> tuple[list[list[bool]], bool]:
     """(per segment, per parameter: some rank produced a gradient; some rank saw a non-finite
-    gradient). Raises on every rank if any rank saw ``requires_grad`` change."""
+    gradient). Raises on every rank if any rank has an unreduced gradient of a frozen parameter."""
     flags = [u for seg in used for u in seg]
-    changed = requires_grad_changed(segments, frozen)
-    t = torch.tensor([*flags, bool(changed), nonfinite], dtype=torch.uint8)
+    # requires_grad and its complement: both 1 after the MAX = frozen on some ranks only.
+    trainable = [p.requires_grad for seg in segments for p in seg.params]
+    changed = unreduced_unfrozen(frozen)
+    frozen_bits = [not b for b in trainable]
+    t = torch.tensor(
+        [*flags, *trainable, *frozen_bits, bool(changed), nonfinite], dtype=torch.uint8
+    )
     t = t.to(segments[0].device if segments else "cpu")
     comm.all_reduce_control(t, op="max")
     bits = t.tolist()
+    n = len(flags)
+    names = [name for seg in segments for name in seg.names]
+    split = [names[i] for i in range(n) if bits[n + i] and bits[2 * n + i]]
+    if split:
+        raise RuntimeError(
+            f"requires_grad of '{split[0]}' differs between ranks (frozen on some, trainable "
+            "on others): freeze and unfreeze parameters identically on every rank"
+        )
     if bits[-2]:
         raise RuntimeError(
-            "requires_grad of a parameter changed after zerodp.initialize "
-            f"({changed or 'on another rank'}); freezing or unfreezing after initialize is "
-            "not supported: set requires_grad before zerodp.initialize and re-initialize"
+            "a parameter frozen at zerodp.initialize got a gradient that was not reduced "
+            f"({changed or 'on another rank'}): unfreeze parameters before the forward of a "
+            "step (zerodp adopts them there), not between a forward and its backward"
         )
     out, k = [], 0
     for seg in used:
@@ -60,17 +76,37 @@ def agree_on_step(
     return out, bool(bits[-1])
 
 
-def requires_grad_changed(segments: list[Segment], frozen: list[tuple[str, nn.Parameter]]) -> str:
-    """What changed on this rank since ``initialize`` ("" if nothing): a trainable parameter
-    frozen, or a frozen one unfrozen."""
-    for seg in segments:
-        for name, p in zip(seg.names, seg.params, strict=True):
-            if not p.requires_grad:
-                return f"'{name}' was frozen"
+def unreduced_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> str:
+    """A parameter frozen at ``initialize`` that got a gradient without the engine adopting it
+    ("" if none): unfrozen after the last forward that ran with grad enabled ([Note:
+    unfreezing] in engine.py). Freezing a trainable parameter needs nothing: it simply gets no
+    gradient, as a parameter unused in a step."""
     for name, p in frozen:
-        if p.requires_grad:
-            return f"'{name}' was unfrozen"
+        if p.requires_grad and p.grad is not None:
+            return f"'{name}'"
     return ""
+
+
+def check_unfrozen(comm: Communicator, names: list[str], used: list[list[bool]]) -> None:
+    """Before adopting unfrozen parameters ([Note: unfreezing] in engine.py): every rank must
+    have unfrozen the same ones, with no gradient accumulated since the last ``zero_grad``
+    (the re-planned reducer starts from zero). Raises the same error on every rank."""
+    pending = any(any(u) for u in used)
+    everyone = comm.all_gather_object((names, pending))
+    problems = [
+        f"rank {r} unfroze {theirs} but rank 0 unfroze {everyone[0][0]}"
+        for r, (theirs, _) in enumerate(everyone)
+        if theirs != everyone[0][0]
+    ]
+    problems += [
+        f"rank {r} has gradients accumulated since the last zero_grad (a backward ran before "
+        "this forward): unfreeze parameters after opt.step() / opt.zero_grad(), not between "
+        "micro-batches"
+        for r, (_, late) in enumerate(everyone)
+        if late
+    ]
+    if problems:
+        raise RuntimeError("zerodp: cannot adopt unfrozen parameters:\n  " + "\n  ".join(problems))
 
 
 class KeptGrads:
@@ -88,6 +124,9 @@ class KeptGrads:
             self.kept = [[False] * len(seg) for seg in self.kept]
         else:
             self.kept = _either(self.kept, used)
+
+    def add(self, segments: list[Segment]) -> None:
+        self.kept += [[False] * len(s.params) for s in segments]
 
     def has_grad(self, used: list[list[bool]]) -> list[list[bool]]:
         """This rank's view of which parameters have a gradient now (before the agreement)."""

@@ -2,7 +2,8 @@
 
 The schedule is the well-known one (DeepSpeed's and Megatron's defaults): start at 2**16; on a
 step whose gradients are not finite the step is skipped and, once ``hysteresis`` such steps have
-happened since the scale last changed, the scale is multiplied by ``backoff_factor``; after
+happened since the start or the last growth (DeepSpeed's ``consecutive_hysteresis=False``), the
+scale is multiplied by ``backoff_factor`` (and again at each later one until it grows); after
 ``growth_interval`` consecutive finite steps it is multiplied by ``growth_factor``. A non-finite
 step at ``min_scale`` raises: training cannot make progress. Whether a step is finite is decided
 by the engine from an all-reduced flag, so every rank updates its scaler identically.

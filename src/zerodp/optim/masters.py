@@ -44,18 +44,20 @@ class Masters:
         self.separate = separate  # fp32 copies (mixed precision) rather than the params
         self.sharded = sharded and separate  # master buffers indexed by shard offsets
         self.rank = rank
-        self.buffers: list[torch.Tensor] = []
-        for seg in segments:
-            if isinstance(seg, ShardedSegment):  # stage 3
-                self.buffers.append(
-                    seg.shard.to(torch.float32, copy=True) if separate else seg.shard
-                )
-            elif not separate:
-                self.buffers.append(seg.param_buffer)
-            elif sharded:
-                self.buffers.append(self._gather_owned(seg, seg.param_buffer).float())
-            else:
-                self.buffers.append(seg.param_buffer.detach().float().clone())
+        self.buffers: list[torch.Tensor] = [self._master(seg) for seg in segments]
+
+    def _master(self, seg: Segment) -> torch.Tensor:
+        if isinstance(seg, ShardedSegment):  # stage 3
+            return seg.shard.to(torch.float32, copy=True) if self.separate else seg.shard
+        if not self.separate:
+            return seg.param_buffer
+        if self.sharded:
+            return self._gather_owned(seg, seg.param_buffer).float()
+        return seg.param_buffer.detach().float().clone()
+
+    def add(self, segments: list[Segment]) -> None:
+        """Masters for segments appended to the engine's list (unfrozen parameters)."""
+        self.buffers += [self._master(seg) for seg in segments]
 
     def _gather_owned(self, seg: Segment, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slices of ``flat`` (a full-size flat buffer), concatenated in bucket order:

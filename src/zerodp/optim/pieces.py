@@ -148,6 +148,26 @@ def rebind_optimizer(
     select_fused(optimizer)
 
 
+def replace_pieces(
+    optimizer: torch.optim.Optimizer, old: list[OptimPiece], new: list[OptimPiece]
+) -> None:
+    """Rebind the optimizer from ``old`` to ``new`` pieces (rebuilt views, pieces added), moving
+    each old piece's state to the new piece of the same parameter range."""
+
+    def key(op: OptimPiece) -> tuple[int, int, int, int]:
+        r = op.piece.param_range
+        return op.seg, op.slot, r.start, r.stop
+
+    state = {key(op): optimizer.state.pop(op.tensor) for op in old if op.tensor in optimizer.state}
+    for group in optimizer.param_groups:
+        group["params"] = []
+    for op in new:
+        optimizer.param_groups[op.group]["params"].append(op.tensor)
+        if key(op) in state:
+            optimizer.state[op.tensor] = state[key(op)]
+    select_fused(optimizer)
+
+
 def pieces_in_state_order(
     optimizer: torch.optim.Optimizer, pieces: list[OptimPiece]
 ) -> list[OptimPiece]:

@@ -46,6 +46,7 @@ class DeferredGather:
         ]
         self._handles: list[Handle] = []
         self._waited = 0
+        self._blocking: list[tuple[int, int]] = []  # buckets of segments added after the hooks
         self._hooks: list[Any] = []
         self.in_forward = False  # inside the root module's forward
 
@@ -60,15 +61,27 @@ class DeferredGather:
         self._waited = 0
         if self.comm.world_size == 1:
             return
-        rank = self.comm.rank
-        for s, b in self.order:
-            seg = self.segments[s]
-            lay = seg.layout
-            full = flat_view(seg.param_buffer, lay.buckets[b])
-            owned = flat_view(seg.param_buffer, lay.bucket_shard(b, rank))
-            self._handles.append(self.comm.all_gather(full, owned, async_op=True))
+        # First, and waited for: no forward hook waits for these ([Note: unfreezing]).
+        for h in [self._issue(s, b) for s, b in self._blocking]:
+            h.wait()
+        self._handles = [self._issue(s, b) for s, b in self.order]
         if not self.overlap:
             self.wait_all()
+
+    def _issue(self, s: int, b: int) -> Handle:
+        seg = self.segments[s]
+        lay = seg.layout
+        full = flat_view(seg.param_buffer, lay.buckets[b])
+        owned = flat_view(seg.param_buffer, lay.bucket_shard(b, self.comm.rank))
+        return self.comm.all_gather(full, owned, async_op=True)
+
+    def add(self, segments: list[Segment]) -> None:
+        """Gather these segments too (appended to the engine's list after the hooks were
+        registered: unfrozen parameters), blocking, before the overlapped buckets."""
+        first = len(self.segments)
+        self.segments = [*self.segments, *segments]
+        for s in range(first, len(self.segments)):
+            self._blocking += [(s, b) for b in range(len(self.segments[s].layout.buckets))]
 
     def wait_through(self, position: int) -> None:
         """Wait for the buckets issued at ``position`` and before."""

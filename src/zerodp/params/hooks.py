@@ -124,6 +124,9 @@ class Schedule:
             post = partial(self._post_forward, unit)
             self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, always_call=True))
+        self.register_params(param_units)
+
+    def register_params(self, param_units: list[tuple[nn.Parameter, str, Unit | None]]) -> None:
         for p, name, owner in param_units:
             hook = partial(self._grad_ready, owner, name)
             self._handles.append(p.register_post_accumulate_grad_hook(hook))

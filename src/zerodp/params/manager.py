@@ -128,9 +128,7 @@ class ShardedParams:
         assert isinstance(seg, ShardedSegment)
         return seg
 
-    def start(self, masters: Masters, reduce_dtype: torch.dtype | None) -> ShardedGrads:
-        """Create the reducer (after the segments took their final dtype) and register the
-        hooks. Returns the reducer, which the engine uses as its ``reducer``."""
+    def _make_grads(self, reduce_dtype: torch.dtype | None) -> ShardedGrads:
         check_ids = [0] * len(self.segments)
         for u in self.units:
             for i in u.seg_ids:
@@ -139,9 +137,29 @@ class ShardedParams:
             check_ids[i] = len(self.units) + k
         # Reduce-scatters of at most one bucket each ([Note: stage-3 reduce chunks]).
         chunks = [self.plan.bucket_numel(s.dtype) for s in self.segments]
-        self.grads = ShardedGrads(
-            self.segments, self.comm, self.check, check_ids, reduce_dtype, chunks
+        return ShardedGrads(self.segments, self.comm, self.check, check_ids, reduce_dtype, chunks)
+
+    def adopt(self, new_ids: list[int], reduce_dtype: torch.dtype | None) -> ShardedGrads:
+        """Segments ``new_ids`` (already appended to ``segments``: parameters unfrozen after
+        ``initialize``, [Note: unfreezing] in engine.py) become persistent segments, reduced at
+        the end of backward. Called between steps, with no gradient pending: the reducer is
+        rebuilt over every segment. Returns it."""
+        assert self.schedule is not None
+        for i in new_ids:
+            self.check.labels.append(f"persistent parameters #{len(self.persistent_seg_ids)}")
+            self.persistent_seg_ids.append(i)  # the schedule's list too
+        self.grads = self._make_grads(reduce_dtype)
+        self.schedule.grads = self.grads
+        seg_params = [self.segments[i] for i in new_ids]
+        self.schedule.register_params(
+            [(p, n, None) for s in seg_params for n, p in zip(s.names, s.params, strict=True)]
         )
+        return self.grads
+
+    def start(self, masters: Masters, reduce_dtype: torch.dtype | None) -> ShardedGrads:
+        """Create the reducer (after the segments took their final dtype) and register the
+        hooks. Returns the reducer, which the engine uses as its ``reducer``."""
+        self.grads = self._make_grads(reduce_dtype)
         self.schedule = Schedule(
             self.units,
             self.gatherer,
