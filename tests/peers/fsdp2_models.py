@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from zerotest import Pair, build
+from zerotest import Pair, assert_close, batches, build, mse, rank_world, reference_step
 
 import zerodp
 
@@ -236,3 +236,33 @@ def container_model(kind: str, dim: int = 8) -> nn.Module:
         ContainerLayer(kind, dim),
         FromContainer(kind),
     )
+
+
+# -- FSDP2's training loop ---------------------------------------------------------------------
+
+
+def train(p, losses_for_step, steps: int, tol: float, what: str, start: int = 0) -> float:
+    """FSDP2's loop: zero_grad(set_to_none alternating), forward/backward, step; parity after
+    every step."""
+    rank, world = rank_world()
+    worst = 0.0
+    for step in range(start, start + steps):
+        none = step % 2 == 0
+        p.ref_opt.zero_grad(set_to_none=none)
+        p.opt.zero_grad(set_to_none=none)
+        losses = losses_for_step(step)
+        reference_step(p, losses, world, step=False)
+        p.ref_opt.step()
+        losses(p.model, rank).backward()
+        p.opt.step()
+        worst = max(worst, assert_close(p.model, p.ref, tol, f"{what} step {step}"))
+    return worst
+
+
+def mse_steps(d_in: int, d_out: int, per_rank: int = 2):
+    _, world = rank_world()
+    return lambda step: mse(batches(step, world, per_rank, [(d_in,), (d_out,)]))
+
+
+def lm_steps(step: int):
+    return lm_loss(token_batches(step, rank_world()[1]))
