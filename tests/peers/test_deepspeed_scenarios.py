@@ -32,10 +32,8 @@ def adamw(params: list) -> torch.optim.Optimizer:
 
 
 def cfg(stage: int, units: tuple[str, ...] = (), **kw) -> zerodp.ZeroConfig:
-    # Small buckets: parameters cut across buckets at stages 1-2.
-    return zerodp.ZeroConfig(
-        stage=stage, bucket_bytes=96, unit_classes=units if stage == 3 else (), **kw
-    )
+    kw.setdefault("bucket_bytes", 96)  # small buckets: parameters cut across buckets
+    return zerodp.ZeroConfig(stage=stage, unit_classes=units if stage == 3 else (), **kw)
 
 
 def labelled(step: int, world: int, per: int, d: int) -> list:
