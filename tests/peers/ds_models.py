@@ -254,3 +254,27 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.conv1(x)).flatten(1))
+
+
+class InitInConstructor(nn.Module):
+    """``TestSerialParamInit`` / ``TestZero3InitForParentWeightInitialization``: values set in
+    ``__init__`` (a filled parameter, a parent initialising its child's weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.param = nn.Parameter(torch.ones(5) + 1)
+        self.linear = nn.Linear(5, 1)
+        with torch.no_grad():
+            self.linear.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * self.param)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * x).sum()

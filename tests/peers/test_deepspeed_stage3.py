@@ -14,7 +14,9 @@ from ds_models import (
     DanglingContainer,
     ExtLinear,
     FineGrained,
+    InitInConstructor,
     Layers,
+    Scale,
     WithAttrs,
 )
 from hf_models import build as build_hf
@@ -252,21 +254,6 @@ def test_sharded_init_equals_eager_build(world, units):
     world(2).run(case_sharded_init, units, timeout=TIMEOUT)
 
 
-class InitInConstructor(nn.Module):
-    """``TestSerialParamInit`` / ``TestZero3InitForParentWeightInitialization``: values set in
-    ``__init__`` (a filled parameter, a parent initialising its child's weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.param = nn.Parameter(torch.ones(5) + 1)
-        self.linear = nn.Linear(5, 1)
-        with torch.no_grad():
-            self.linear.weight.fill_(1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x * self.param)
-
-
 def case_init_in_constructor() -> dict:
     with zerodp.sharded_init():
         model = InitInConstructor()
@@ -308,15 +295,6 @@ def test_sharded_init_subclass_parameter_from_legacy_constructor(world):
 
 
 # -- TestZeroBf16Fp32GradAccum --------------------------------------------------------------------
-
-
-class Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * x).sum()
 
 
 def case_bf16_fp32_reduce(stage: int) -> list[float]:
