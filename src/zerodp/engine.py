@@ -113,7 +113,7 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         if plan.mixed:
             self._cast_to_compute_dtype()
-        self._reduce_dtype = plan.reduce_dtype if plan.mixed else None
+        self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
         if self.params is not None:  # [stage 3] per-unit reduce-scatters, run by its hooks
             self.reducer = self.params.start(self.masters, self._reduce_dtype)
         else:

@@ -256,19 +256,31 @@ class ConvNet(nn.Module):
         return self.head(torch.tanh(self.conv1(x)).flatten(1))
 
 
-class InitInConstructor(nn.Module):
-    """``TestSerialParamInit`` / ``TestZero3InitForParentWeightInitialization``: values set in
-    ``__init__`` (a filled parameter, a parent initialising its child's weight)."""
+class ValueInConstructor(nn.Module):
+    """``TestSerialParamInit`` alone: a parameter computed in ``__init__`` of a module that has
+    no ``reset_parameters``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.param = nn.Parameter(torch.ones(5) + 1)
         self.linear = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * self.param)
+
+
+class ParentInitialisesChild(nn.Module):
+    """``TestZero3InitForParentWeightInitialization`` alone: the parent fills its child's weight
+    in ``__init__``; the child (``nn.Linear``) has a ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 1)
         with torch.no_grad():
             self.linear.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x * self.param)
+        return self.linear(x)
 
 
 class Scale(nn.Module):

@@ -86,7 +86,7 @@ def reference(steps: int, factory=Net, loss_fn=None) -> dict[str, torch.Tensor]:
 
 def rel_errors(got: dict, want: dict) -> dict[str, float]:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    return {n: float((got[n] - want[n]).norm() / want[n].norm()) for n in want}
+    return {n: float((got[n] - want[n]).detach().norm() / want[n].detach().norm()) for n in want}
 
 
 def steps_of(opt: zerodp.ZeroOptimizer) -> list[float]:

@@ -26,7 +26,7 @@ from fsdp2_models import (
     train,
 )
 from torch import nn
-from zerotest import assert_close, batches, full, mse, rank_world, reference_step
+from zerotest import assert_close, batches, full, make_pair, mse, rank_world, reference_step
 
 import zerodp
 
@@ -107,30 +107,31 @@ def test_train_mixed_requires_grad_across_groups(world):
     world(2).run(case_frozen_across_groups, timeout=TIMEOUT)
 
 
-def case_unfreeze_after_init() -> list:
-    """The ``unfreeze_params=True`` variant: unfreezing after initialize is refused."""
-    msgs = []
+def case_unfreeze_after_init() -> None:
+    """The ``unfreeze_params=True`` variant: the frozen layers are unfrozen (in both models)
+    after the first step; training goes on exactly as unsharded training ([Note: unfreezing]
+    in engine.py: parameters frozen at initialize are adopted by the next forward)."""
+    rank, world = rank_world()
     for stage in STAGES:
-        p = pair(_interleaved_frozen, adam, cfg(stage, ("Linear",)))
-        p.model[0].requires_grad_(True)
-        p.model(torch.randn(2, 8)).sum().backward()
-        try:
+        # The optimizers hold every parameter, frozen ones too (unlike ``pair``).
+        p = make_pair(_interleaved_frozen, adam, cfg(stage, ("Linear",)))
+        for step in range(3):
+            if step == 1:
+                for m in (p.model, p.ref):
+                    m.requires_grad_(True)
+            data = batches(step, world, 4, [(8,), (8,)])
+            before = p.ref[0].weight.detach().clone()
+            reference_step(p, mse(data), world)
+            mse(data)(p.model, rank).backward()
             p.opt.step()
-        except RuntimeError as exc:
-            msgs.append(str(exc))
-        else:
-            raise AssertionError(f"stage {stage}: unfreezing after initialize was accepted")
-    return msgs
+            p.opt.zero_grad()
+            assert_close(p.model, p.ref, ADAM_TOL, f"stage {stage} step {step}")
+            moved = not torch.equal(before, p.ref[0].weight)
+            assert moved == (step >= 1), f"stage {stage} step {step}: layer 0 moved={moved}"
 
 
-def test_unfreeze_after_initialize_is_refused(world):
-    for msgs in world(2).run(case_unfreeze_after_init, timeout=TIMEOUT):
-        for msg in msgs:
-            assert msg == (
-                "requires_grad of a parameter changed after zerodp.initialize ('0.weight' was "
-                "unfrozen); freezing or unfreezing after initialize is not supported: set "
-                "requires_grad before zerodp.initialize and re-initialize"
-            ), msg
+def test_unfreeze_after_initialize_trains_like_unsharded(world):
+    world(2).run(case_unfreeze_after_init, timeout=TIMEOUT)
 
 
 class MultiForwardFrozen(nn.Module):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-import pytest
 import torch
 import torch.nn.functional as F
 from emulation import masters_error
@@ -188,16 +187,10 @@ def test_reduce_dtype(world):
     world(2).run(case_reduce_dtype, [("bf16", "bf16"), ("fp16", "fp16")], timeout=TIMEOUT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ZeroConfig(precision='fp32', reduce_dtype='bf16'|'fp16') is accepted and ignored: "
-    "engine.py passes reduce_dtype to the reducers only for mixed precision, so fp32 gradients "
-    "are reduced in fp32 (comm_stats: 4 bytes per element; masters 2.1e-2 from a bf16-reduction "
-    "emulation after one step at stage 0), with no error or warning",
-)
 def test_reduce_dtype_low_precision_with_fp32_parameters(world):
     """FSDP2's ``_test_reduce_dtype_bf16_reduce``: fp32 parameters, gradients reduced in bf16
-    (and fp16)."""
+    (and fp16), bit for bit as the emulation. Was silently reduced in fp32 (the setting was
+    ignored without mixed precision)."""
     world(2).run(case_reduce_dtype, [("fp32", "bf16"), ("fp32", "fp16")], timeout=TIMEOUT)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from zerodp.params.access import ShardedParameter
 from zerodp.params.full import full_parameters
+from zerodp.params.meta_writes import RecordConstructorWrites
 from zerodp.params.policy import UnitPolicy
 
 __all__ = ["ShardedParameter", "UnitPolicy", "full_parameters", "sharded_init"]
@@ -35,5 +36,5 @@ def sharded_init() -> Iterator[None]:
         opt = torch.optim.AdamW(model.parameters())
         model, opt = zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=3))
     """
-    with torch.device("meta"):
+    with torch.device("meta"), RecordConstructorWrites():  # [Note: values written in a ...]
         yield

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import Communicator
+from zerodp.params.meta_writes import written_in_constructor
 from zerodp.params.policy import UnitPlan
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
@@ -76,6 +77,14 @@ class Builder:
         kinds = self._by_kind(persistent)
         n_units = sum(len(g) for g in groups)
         if meta:
+            written = written_in_constructor(self.uplan.units[0].module)
+            if written:  # [Note: values written in a constructor] in meta_writes.py
+                raise ValueError(
+                    "zerodp.initialize: a constructor under zerodp.sharded_init() wrote "
+                    f"parameter(s) {written} outside reset_parameters()/init_weights(); the meta "
+                    "device keeps no values, so they would be lost. Write them in the module's "
+                    "reset_parameters() or init_weights(), or pass init_fn=... that does"
+                )
             return self._materialise(groups, kinds, n_units, out)
         for unit_groups in groups:
             ids = []
@@ -224,11 +233,25 @@ class Builder:
         modules = sorted(
             (m for v in batch for m in self.uplan.modules[v]), key=lambda m: order[id(m)]
         )
+        uncovered = []
         for m in modules:
             reset = getattr(m, "reset_parameters", None)
             own = list(m.parameters(recurse=False))
             if callable(reset) and all(id(p) in mine or not p.requires_grad for p in own):
                 reset()
+            elif own and not callable(reset):
+                uncovered.append(type(m).__name__)
+        if uncovered:
+            # Values a constructor computes on the meta device are not kept: nothing would
+            # initialise these parameters (they would stay zeros, or uninitialised memory).
+            raise ValueError(
+                "zerodp.initialize: a model built under zerodp.sharded_init() has modules with "
+                f"parameters but no reset_parameters() ({', '.join(sorted(set(uncovered)))}, in "
+                f"unit '{self.uplan.units[batch[0]].label}'), and the unit has no init_weights(): "
+                "values set in __init__ are not kept on the meta device. Pass "
+                "init_fn=<function initialising a unit's module> to zerodp.initialize, or give "
+                "those modules a reset_parameters()"
+            )
 
     def _check_same_values(self, sums: list[int]) -> None:
         if self.comm.world_size == 1 or not sums:
