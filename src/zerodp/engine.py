@@ -7,6 +7,11 @@ resolved ``Plan``, and runs the step's schedule:
 2. ``step``: wait for them, agree across ranks on which parameters got a gradient (one small
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
+
+Over the ~400-line budget (432): adopting parameters unfrozen after ``initialize`` ([Note:
+unfreezing]) rebuilds the same components construction builds, so it lives beside it; the
+engine restructure (one engine over pluggable parameter/gradient sync) splits construction and
+re-planning from the step.
 """
 
 from __future__ import annotations
