@@ -48,19 +48,19 @@ def agree_on_step(
     # requires_grad and its complement: both 1 after the MAX = frozen on some ranks only.
     trainable = [p.requires_grad for seg in segments for p in seg.params]
     changed = unreduced_unfrozen(frozen)
-    frozen_bits = [not b for b in trainable]
     t = torch.tensor(
-        [*flags, *trainable, *frozen_bits, bool(changed), nonfinite], dtype=torch.uint8
+        [*flags, *trainable, *(not b for b in trainable), bool(changed), nonfinite],
+        dtype=torch.uint8,
     )
     t = t.to(segments[0].device if segments else "cpu")
     comm.all_reduce_control(t, op="max")
     bits = t.tolist()
     n = len(flags)
-    names = [name for seg in segments for name in seg.names]
-    split = [names[i] for i in range(n) if bits[n + i] and bits[2 * n + i]]
-    if split:
+    split = next((i for i in range(n) if bits[n + i] and bits[2 * n + i]), None)
+    if split is not None:
+        name = [name for seg in segments for name in seg.names][split]
         raise RuntimeError(
-            f"requires_grad of '{split[0]}' differs between ranks (frozen on some, trainable "
+            f"requires_grad of '{name}' differs between ranks (frozen on some, trainable "
             "on others): freeze and unfreeze parameters identically on every rank"
         )
     if bits[-2]:

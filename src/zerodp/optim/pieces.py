@@ -10,7 +10,7 @@ that got no gradient is skipped, as ``torch.optim`` skips a ``None`` grad).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -137,15 +137,13 @@ def rebind_optimizer(
     """Replace each group's params by its pieces, converting any existing per-parameter state
     (e.g. loaded before ``initialize``) to per-piece state. Empty groups stay (empty)."""
     old_state = {id(p): st for p, st in optimizer.state.items()}
-    for group in optimizer.param_groups:
-        group["params"] = []
-    optimizer.state.clear()
-    for op in pieces:
-        optimizer.param_groups[op.group]["params"].append(op.tensor)
+
+    def state_of(op: OptimPiece) -> dict | None:
         param = segments[op.seg].params[op.slot]
-        if id(param) in old_state:
-            optimizer.state[op.tensor] = _slice_state(old_state[id(param)], param, op.piece)
-    select_fused(optimizer)
+        st = old_state.get(id(param))
+        return None if st is None else _slice_state(st, param, op.piece)
+
+    _bind(optimizer, pieces, state_of)
 
 
 def replace_pieces(
@@ -158,13 +156,24 @@ def replace_pieces(
         r = op.piece.param_range
         return op.seg, op.slot, r.start, r.stop
 
-    state = {key(op): optimizer.state.pop(op.tensor) for op in old if op.tensor in optimizer.state}
+    state = {key(op): optimizer.state[op.tensor] for op in old if op.tensor in optimizer.state}
+    _bind(optimizer, new, lambda op: state.get(key(op)))
+
+
+def _bind(
+    optimizer: torch.optim.Optimizer,
+    pieces: list[OptimPiece],
+    state_of: Callable[[OptimPiece], dict | None],
+) -> None:
+    """Each group's params := its pieces, in order; state from ``state_of`` (None: none)."""
+    states = [state_of(op) for op in pieces]  # before clearing: state_of may read the old state
     for group in optimizer.param_groups:
         group["params"] = []
-    for op in new:
+    optimizer.state.clear()
+    for op, st in zip(pieces, states, strict=True):
         optimizer.param_groups[op.group]["params"].append(op.tensor)
-        if key(op) in state:
-            optimizer.state[op.tensor] = state[key(op)]
+        if st is not None:
+            optimizer.state[op.tensor] = st
     select_fused(optimizer)
 
 
