@@ -14,6 +14,8 @@ against unsharded training on the same global batch (docs/peer-tests.md lists th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -181,51 +183,56 @@ def _check_state(full: dict, ref: nn.Module, ref_opt: torch.optim.Optimizer, wha
             assert err <= STATE_TOL, f"{what}: {key} of '{name}': relative error {err:.3e}"
 
 
-def case_state_dict_group_order(stage: int) -> int:
+def _state_dict_after_training(
+    build_model: Callable[[], nn.Module],
+    groups: Callable[[nn.Module], list[dict]],
+    losses_of_step: Callable[[int, int], Callable[[nn.Module, int], torch.Tensor]],
+    cfg: zerodp.ZeroConfig,
+    what: str,
+) -> int:
+    """3 AdamW steps of zerodp and of the unsharded reference, then the full state reassembled
+    from every rank's ``opt.state_dict()`` against the reference's; returns this rank's count
+    of labelled pieces."""
     rank, world = rank_world()
-
-    ref, model = build(MLP), build(MLP)
-    ref_opt = torch.optim.AdamW(_mlp_groups_out_of_order(ref))
-    model, opt = zerodp.initialize(
-        model, torch.optim.AdamW(_mlp_groups_out_of_order(model)), _cfg(stage)
-    )
+    ref, model = build_model(), build_model()
+    ref_opt = torch.optim.AdamW(groups(ref))
+    model, opt = zerodp.initialize(model, torch.optim.AdamW(groups(model)), cfg)
     for step in range(3):
-        data = batches(step, world, 3, [(7,), (5,)])
-        (sum(mse(data)(ref, r) for r in range(world)) / world).backward()
+        losses = losses_of_step(step, world)
+        (sum(losses(ref, r) for r in range(world)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mse(data)(model, rank).backward()
+        losses(model, rank).backward()
         opt.step()
         opt.zero_grad()
     shards: list = [None] * world
     dist.all_gather_object(shards, opt.state_dict())
     shapes = {n: p.shape for n, p in ref.named_parameters()}
-    _check_state(_full_state_from_shards(shards, shapes), ref, ref_opt, f"stage {stage}")
+    _check_state(_full_state_from_shards(shards, shapes), ref, ref_opt, what)
     return len(shards[rank]["zerodp"]["pieces"])
+
+
+def case_state_dict_group_order(stage: int) -> int:
+    return _state_dict_after_training(
+        lambda: build(MLP),
+        _mlp_groups_out_of_order,
+        lambda step, world: mse(batches(step, world, 3, [(7,), (5,)])),
+        _cfg(stage),
+        f"stage {stage}",
+    )
 
 
 def case_state_dict_group_order_hf(stage: int) -> int:
-    rank, world = rank_world()
-    ref, model = build_hf("gpt2"), build_hf("gpt2")
-    ref_opt = torch.optim.AdamW(_hf_groups_out_of_order(ref))
-    units = ("GPT2Block",)
     cfg = zerodp.ZeroConfig(
-        stage=stage, bucket_bytes=4096, unit_classes=units if stage == 3 else ()
+        stage=stage, bucket_bytes=4096, unit_classes=("GPT2Block",) if stage == 3 else ()
     )
-    model, opt = zerodp.initialize(model, torch.optim.AdamW(_hf_groups_out_of_order(model)), cfg)
-    for step in range(3):
-        data = global_batches("gpt2", step, world)
-        (sum(hf_loss(data)(ref, r) for r in range(world)) / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        hf_loss(data)(model, rank).backward()
-        opt.step()
-        opt.zero_grad()
-    shards: list = [None] * world
-    dist.all_gather_object(shards, opt.state_dict())
-    shapes = {n: p.shape for n, p in ref.named_parameters()}
-    _check_state(_full_state_from_shards(shards, shapes), ref, ref_opt, f"gpt2 stage {stage}")
-    return len(shards[rank]["zerodp"]["pieces"])
+    return _state_dict_after_training(
+        lambda: build_hf("gpt2"),
+        _hf_groups_out_of_order,
+        lambda step, world: hf_loss(global_batches("gpt2", step, world)),
+        cfg,
+        f"gpt2 stage {stage}",
+    )
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -255,9 +255,12 @@ def test_sharded_init_equals_eager_build(world, units):
     world(2).run(case_sharded_init, units, timeout=TIMEOUT)
 
 
-def case_init_in_constructor() -> str:
+REFUSED = {"value": ValueInConstructor, "parent": ParentInitialisesChild}
+
+
+def case_sharded_init_refused(kind: str) -> str:
     with zerodp.sharded_init():
-        model = ValueInConstructor()
+        model = REFUSED[kind]()
     try:
         zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg(3))
     except ValueError as exc:
@@ -275,17 +278,7 @@ def test_sharded_init_parameter_without_initialiser_is_a_clear_error(world):
         "not kept on the meta device. Pass init_fn=<function initialising a unit's module> to "
         "zerodp.initialize, or give those modules a reset_parameters()"
     )
-    assert world(2).run(case_init_in_constructor, timeout=TIMEOUT) == [want, want]
-
-
-def case_parent_initialises_child() -> str:
-    with zerodp.sharded_init():
-        model = ParentInitialisesChild()
-    try:
-        zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg(3))
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
+    assert world(2).run(case_sharded_init_refused, "value", timeout=TIMEOUT) == [want, want]
 
 
 def test_sharded_init_parent_initialising_its_child_is_a_clear_error(world):
@@ -299,7 +292,7 @@ def test_sharded_init_parent_initialising_its_child_is_a_clear_error(world):
         "values, so they would be lost. Write them in the module's reset_parameters() or "
         "init_weights(), or pass init_fn=... that does"
     )
-    assert world(2).run(case_parent_initialises_child, timeout=TIMEOUT) == [want, want]
+    assert world(2).run(case_sharded_init_refused, "parent", timeout=TIMEOUT) == [want, want]
 
 
 def case_legacy_constructor() -> str:
