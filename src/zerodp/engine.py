@@ -8,7 +8,7 @@ resolved ``Plan``, and runs the step's schedule:
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
 
-Over the ~400-line budget (432): adopting parameters unfrozen after ``initialize`` ([Note:
+Over the ~400-line budget (437): adopting parameters unfrozen after ``initialize`` ([Note:
 unfreezing]) rebuilds the same components construction builds, so it lives beside it; the
 engine restructure (one engine over pluggable parameter/gradient sync) splits construction and
 re-planning from the step.
