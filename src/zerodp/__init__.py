@@ -11,7 +11,7 @@ from zerodp.checkpoint import (
     load_model_state_dict,
     save_checkpoint,
 )
-from zerodp.comm import CommStats
+from zerodp.comm import CollectiveError, CommStats
 from zerodp.config import ZeroConfig
 from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
@@ -21,6 +21,7 @@ from zerodp.params import full_parameters, sharded_init
 
 __all__ = [
     "CheckpointError",
+    "CollectiveError",
     "CommStats",
     "MemoryReport",
     "StepInfo",

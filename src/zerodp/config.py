@@ -118,6 +118,14 @@ class ZeroConfig:
     about to do the same, so that ranks running different units raise a clear error instead of
     hanging. Costs a small blocking collective, about 2 per unit per step."""
 
+    watchdog_s: float | None = 300.0
+    """How long a rank waits in one collective for the others before it raises
+    ``zerodp.CollectiveError`` on every waiting rank, naming the rank that is late (and its
+    step and phase), the rank that failed first, or the ranks at different steps ([Note:
+    watchdog] in comm/watchdog.py). ``None``: wait for the process group's own timeout. Raise
+    it if some rank legitimately works alone for longer (e.g. rank 0 evaluates between steps
+    while the others wait in the next step)."""
+
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, STAGES)
         _check_positive_int("bucket_bytes", self.bucket_bytes)
@@ -156,6 +164,8 @@ class ZeroConfig:
         _check_non_negative_int("prefetch_depth", self.prefetch_depth)
         _check_non_negative_int("persist_numel", self.persist_numel)
         _check_bool("check_unit_order", self.check_unit_order)
+        if self.watchdog_s is not None:
+            _check_positive_float("watchdog_s", self.watchdog_s)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from zerodp.comm import CommLedger, CommStats, Communicator
+from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.optim.agreement import KeptGrads, agree_on_step, check_unfrozen
@@ -83,7 +84,7 @@ class ZeroEngine:
     ) -> None:
         self.config = config
         self.plan = resolve(config)
-        self.comm = Communicator(process_group, CommLedger())
+        self.comm = Communicator(process_group, CommLedger(), config.watchdog_s)
         self.model = model
         named = _unique_named_parameters(model)
         trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -137,10 +138,13 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(self._after_forward))
         # Before the schedule's root hook and the parameter-gather waits: [Note: unfreezing].
         self._hooks.append(model.register_forward_pre_hook(self._adopt_unfrozen, prepend=True))
         if self.params is not None:  # [stage 3] see params/nocompile.py
             self._hooks.append(model.register_forward_pre_hook(refuse_compile, prepend=True))
+        # First of all: stage 3 gathers (a collective) in its own root hook.
+        self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
         self.steps = 0
         self.skipped_steps = 0
         self.last_step = None
@@ -155,6 +159,7 @@ class ZeroEngine:
         self._broadcast_frozen_and_buffers()
         self.init_comm = self.comm.ledger.end_step()
         self.comm.ledger.steps.clear()
+        self.comm.progress.enter(BETWEEN_STEPS)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -276,6 +281,21 @@ class ZeroEngine:
         dtype = self.plan.compute_dtype
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
+    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self.comm.progress.enter("forward" if training else "evaluation forward")
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """For the watchdog's messages: the phase is "backward" once autograd reaches the
+        output, and the loss computation between forward and backward counts as the forward."""
+        if not torch.is_grad_enabled():
+            self.comm.progress.enter(BETWEEN_STEPS)
+            return
+        leaf = next((t for t in tree_leaves(output) if _needs_grad(t)), None)
+        if leaf is not None:
+            progress = self.comm.progress
+            leaf.register_hook(lambda grad: progress.enter("backward"))
+
     def _broadcasts_buffers(self, module: nn.Module) -> bool:
         """[Note: buffers] Rank 0's buffers are broadcast only before a *training* forward
         (module in train mode, grad enabled); DDP likewise syncs them only after forwards run
@@ -334,6 +354,7 @@ class ZeroEngine:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.comm.progress.enter("optimizer step")
         self.finish_gradients()
         self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
         scale = self.scaler.scale if self.scaler else None
@@ -358,6 +379,8 @@ class ZeroEngine:
         if self.scaler is not None:
             self.scaler.update(finite=not self._skip)
         self.last_step = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm)
+        self.comm.progress.step = self.steps
+        self.comm.progress.enter(BETWEEN_STEPS)
         self._end_step()
         self.comm.ledger.end_step()
         return loss
@@ -397,6 +420,7 @@ class ZeroEngine:
         self._grads_final = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.comm.progress.enter("gradient clipping")
         self.finish_gradients()
         if self.chunked is not None:
             norm = self.chunked.clip(
@@ -430,6 +454,10 @@ class ZeroEngine:
             self.params.remove()
         for h in self._hooks:
             h.remove()
+
+
+def _needs_grad(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

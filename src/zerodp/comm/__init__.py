@@ -3,10 +3,13 @@ and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
+from zerodp.comm.watchdog import BETWEEN_STEPS, CollectiveError
 
 __all__ = [
+    "BETWEEN_STEPS",
     "CONTROL",
     "MODEL",
+    "CollectiveError",
     "CommLedger",
     "CommStats",
     "Communicator",

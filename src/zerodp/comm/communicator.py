@@ -11,6 +11,7 @@ import atexit
 import datetime
 import gc
 import logging
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,24 +21,41 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
+from zerodp.comm.watchdog import Arrival, watch_for
+
+# [Note: watchdog] how long a rank waits in one collective before it says which rank is late.
+DEFAULT_WATCHDOG_S = 300.0
 
 log = logging.getLogger(__name__)
 
 
 class Handle:
     """In-flight collective(s), plus a local action to run once they finished (e.g. copying a
-    received chunk into place). ``wait`` is idempotent."""
+    received chunk into place). ``wait`` is idempotent; it waits through the watchdog ([Note:
+    watchdog]), so a late or failed rank raises ``CollectiveError`` instead of hanging."""
 
-    __slots__ = ("_after", "_works")
+    __slots__ = ("_after", "_arrival", "_comm", "_works")
 
-    def __init__(self, work: Any, after: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        after: Callable[[], Any] | None = None,
+        comm: Communicator | None = None,
+        arrival: Arrival | None = None,
+    ) -> None:
         self._works: list[Any] = work if isinstance(work, list) else [] if work is None else [work]
         self._after = after
+        self._comm = comm
+        self._arrival = arrival
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._works:
+            if self._comm is not None and self._arrival is not None:
+                self._comm.wait_works(self._works, self._arrival)
+            else:
+                for work in self._works:
+                    work.wait()
+            self._works = []
         if self._after is not None:
             after, self._after = self._after, None
             after()
@@ -54,9 +72,14 @@ class DeviceSupport:
 
 
 class Communicator:
-    """Collectives over one process group, recorded in a ledger."""
+    """Collectives over one process group, recorded in a ledger, waited through the watchdog."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        ledger: CommLedger | None = None,
+        watchdog_s: float | None = DEFAULT_WATCHDOG_S,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zerodp needs an initialised torch.distributed process group: call "
@@ -79,6 +102,13 @@ class Communicator:
         # in-place reduce / broadcast per owner chunk, which move the same data). On gloo we
         # therefore run them chunk by chunk; the ledger records the logical collective.
         self._chunked_cpu = self.backend == "gloo" or "cpu:gloo" in self.backend
+        self.timeout_s = watchdog_s
+        members = [self.global_rank(r) for r in range(self.world_size)]
+        default = dist.distributed_c10d._get_default_group()
+        store = dist.distributed_c10d._get_default_store()
+        self.watch = watch_for(default, store, self.rank, members)
+        self.watch.use_timeout(watchdog_s)
+        self.progress = self.watch.progress  # the engine says what this rank is doing
         _collect_cycles_at_exit()
 
     # -- introspection -------------------------------------------------------------------------
@@ -105,8 +135,42 @@ class Communicator:
         finally:
             self.ledger = saved
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Say what this rank is doing (for the watchdog's messages) during the block."""
+        saved = self.progress.phase
+        self.progress.phase = name
+        try:
+            yield
+        finally:
+            self.progress.phase = saved
+
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
+
+    # -- launching and waiting ([Note: watchdog]) ----------------------------------------------
+
+    def _run(
+        self,
+        op: str,
+        launch: Callable[[], Any],
+        async_op: bool,
+        after: Callable[[], Any] | None = None,
+    ) -> Handle:
+        """Launch one collective (``launch`` returns its work or works) and wait for it unless
+        ``async_op``."""
+        arrival = self.watch.arrive(op)
+        try:
+            works = launch()
+        except RuntimeError as e:
+            raise self.watch.diagnose(arrival, 0.0, e, self.timeout_s) from e
+        handle = Handle(works, after, self, arrival)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def wait_works(self, works: list[Any], arrival: Arrival) -> None:
+        self.watch.wait(works, arrival, self.timeout_s)
 
     # -- model-data collectives ----------------------------------------------------------------
 
@@ -116,7 +180,10 @@ class Communicator:
         if self.world_size == 1:
             return Handle(None)
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), MODEL)
-        return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
+        group = self.group
+        return self._run(
+            "all_reduce", lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -127,29 +194,29 @@ class Communicator:
             _copy_unless_alias(output, input)
             return Handle(None)
         self.ledger.record("reduce_scatter", input.numel(), input.element_size(), MODEL)
-        if self._chunked(input):
-            return self._reduce_scatter_chunked(output, input, async_op)
-        work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work)
+        group = self.group
+        if not self._chunked(input):
+            return self._run(
+                "reduce_scatter",
+                lambda: dist.reduce_scatter_single(output, input, group=group, async_op=True),
+                async_op,
+            )
+        # One in-place reduce per owner chunk; ``input``'s other chunks become scratch.
+        chunks = input.chunk(self.world_size)
+        own = chunks[self.rank]
+        after = None if own.data_ptr() == output.data_ptr() else (lambda: output.copy_(own))
+        return self._run(
+            "reduce_scatter",
+            lambda: [
+                dist.reduce(c, group=group, group_dst=r, async_op=True)
+                for r, c in enumerate(chunks)
+            ],
+            async_op,
+            after,
+        )
 
     def _chunked(self, tensor: torch.Tensor) -> bool:
         return self._chunked_cpu and tensor.device.type == "cpu"
-
-    def _reduce_scatter_chunked(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool
-    ) -> Handle:
-        """One in-place reduce per owner chunk; ``input``'s other chunks become scratch."""
-        chunks = input.chunk(self.world_size)
-        works = [
-            dist.reduce(c, group=self.group, group_dst=r, async_op=True)
-            for r, c in enumerate(chunks)
-        ]
-        own = chunks[self.rank]
-        after = None if own.data_ptr() == output.data_ptr() else (lambda: output.copy_(own))
-        handle = Handle(works, after)
-        if not async_op:
-            handle.wait()
-        return handle
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -159,26 +226,38 @@ class Communicator:
             _copy_unless_alias(output, input)
             return Handle(None)
         self.ledger.record("all_gather", output.numel(), output.element_size(), MODEL)
-        if self._chunked(output):
-            chunks = output.chunk(self.world_size)
-            _copy_unless_alias(chunks[self.rank], input)
-            works = [
-                dist.broadcast(c, group=self.group, group_src=r, async_op=True)
+        group = self.group
+        if not self._chunked(output):
+            return self._run(
+                "all_gather",
+                lambda: dist.all_gather_single(output, input, group=group, async_op=True),
+                async_op,
+            )
+        chunks = output.chunk(self.world_size)
+        _copy_unless_alias(chunks[self.rank], input)
+        return self._run(
+            "all_gather",
+            lambda: [
+                dist.broadcast(c, group=group, group_src=r, async_op=True)
                 for r, c in enumerate(chunks)
-            ]
-            handle = Handle(works)
-            if not async_op:
-                handle.wait()
-            return handle
-        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work)
+            ],
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, category: str = MODEL) -> None:
         """Broadcast from group rank ``src``."""
         if self.world_size == 1:
             return
         self.ledger.record("broadcast", tensor.numel(), tensor.element_size(), category)
-        dist.broadcast(tensor, group=self.group, group_src=src)
+        self._broadcast(tensor, src)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        group = self.group
+        self._run(
+            "broadcast",
+            lambda: dist.broadcast(tensor, group=group, group_src=src, async_op=True),
+            False,
+        )
 
     # -- control collectives (agreement between ranks) -----------------------------------------
 
@@ -186,30 +265,81 @@ class Communicator:
         """A small all-reduce whose result every rank uses to take the same decision."""
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), CONTROL)
-        dist.all_reduce(tensor, op=ops[op], group=self.group)
+        if self.world_size == 1:
+            return
+        group = self.group
+        self._run(
+            "all_reduce",
+            lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=True),
+            False,
+        )
 
     def all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's small ``tensor``, stacked: ``(world_size, *tensor.shape)``."""
+        self.ledger.record(
+            "all_gather", self.world_size * tensor.numel(), tensor.element_size(), CONTROL
+        )
+        return self._gather_rows(tensor)
+
+    def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.new_empty(self.world_size * tensor.numel())
-        self.ledger.record("all_gather", out.numel(), tensor.element_size(), CONTROL)
-        dist.all_gather_single(out, tensor.reshape(-1), group=self.group)
+        flat, group = tensor.reshape(-1), self.group
+        if self.world_size == 1:
+            out.copy_(flat)
+        else:
+            self._run(
+                "all_gather",
+                lambda: dist.all_gather_single(out, flat, group=group, async_op=True),
+                False,
+            )
         return out.view(self.world_size, *tensor.shape)
 
     def all_gather_object(self, obj: object) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+        """Every rank's picklable ``obj``: sizes, then the padded pickles (what torch's
+        ``all_gather_object`` does, with its waits through the watchdog)."""
         self.ledger.record("all_gather_object", 1, 0, CONTROL)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        if self.world_size == 1:
+            return [obj]
+        data = _pickled(obj, self._object_device())
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+        sizes = self._gather_rows(size).view(-1).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=data.device)
+        padded[: data.numel()] = data
+        rows = self._gather_rows(padded)
+        return [_unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
 
     def broadcast_object(self, obj: object, src: int = 0) -> Any:
         """Group rank ``src``'s picklable ``obj`` on every rank (others pass anything)."""
-        box: list[Any] = [obj]
         self.ledger.record("broadcast_object", 1, 0, CONTROL)
-        dist.broadcast_object_list(box, group=self.group, group_src=src)
-        return box[0]
+        if self.world_size == 1:
+            return obj
+        device = self._object_device()
+        data = _pickled(obj, device) if self.rank == src else None
+        size = torch.tensor([data.numel() if data is not None else 0], device=device)
+        self._broadcast(size, src)
+        buf = data if data is not None else torch.empty(int(size), dtype=torch.uint8, device=device)
+        self._broadcast(buf, src)
+        return _unpickled(buf)
+
+    def _object_device(self) -> torch.device:
+        if "cpu" in self.supported_device_types():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        if self.world_size == 1:
+            return
+        group = self.group
+        self._run("barrier", lambda: dist.barrier(group=group, async_op=True), False)
+
+
+def _pickled(obj: object, device: torch.device) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _unpickled(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())  # our own ranks' pickles
 
 
 def _copy_unless_alias(dst: torch.Tensor, src: torch.Tensor) -> None:
