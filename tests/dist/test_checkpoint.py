@@ -223,6 +223,7 @@ def test_round_trip_and_exact_resume_stages_0_to_3(world: World, tmp_path: Path)
         assert (root / "latest").read_text().strip() == f"step-{K:08d}"
         names = sorted(p.name for p in (root / f"step-{K:08d}").iterdir())
         assert names == [
+            "checksums.sha256",
             "common.safetensors",
             "manifest.json",
             "rank-00000.safetensors",
@@ -449,15 +450,19 @@ def test_bad_checkpoints_raise_the_same_error_everywhere(world: World, tmp_path:
 
     digest = hashlib.sha256(bytes(data)).hexdigest()[:16]
     saved = hashlib.sha256((step / "rank-00001.safetensors").read_bytes()).hexdigest()[:16]
+    change = "does not match its checksum (file changed or truncated after saving"
+    advice = "; load an earlier checkpoint"
     expected = {
-        "missing": "rank 1: shard file rank-00001.safetensors is missing",
+        "missing": (
+            f"rank 1: checkpoint {variants['missing']}: rank-00001.safetensors is missing{advice}"
+        ),
         "truncated": (
-            f"rank 0: shard file rank-00000.safetensors has {size - 100} bytes, the manifest says "
-            f"{size} (truncated?)"
+            f"rank 0: checkpoint {variants['truncated']}: rank-00000.safetensors {change}: "
+            f"expected {size} bytes, found {size - 100}){advice}"
         ),
         "corrupted": (
-            f"rank 1: shard file rank-00001.safetensors is corrupted: SHA-256 {digest}... does not "
-            f"match the manifest's {saved}..."
+            f"rank 1: checkpoint {variants['corrupted']}: rank-00001.safetensors {change}: "
+            f"expected sha256 {saved}..., got {digest}...){advice}"
         ),
         "shapes": (
             "every rank: parameter 'l1.weight' has shape (25, 8) in the model but (24, 8) in the "

@@ -3,6 +3,7 @@ the streaming safetensors writer, checksums, and the checkpoint root's directory
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -14,7 +15,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerodp.checkpoint import directory as fs
-from zerodp.checkpoint.checks import check_file, check_manifest, compare_structure
+from zerodp.checkpoint.checks import check_manifest, compare_structure
+from zerodp.checkpoint.integrity import (
+    CHECKSUMS,
+    check_file,
+    format_checksums,
+    parse_checksums,
+    read_verified_manifest,
+    write_checksums,
+)
 from zerodp.checkpoint.manifest import (
     COMMON_FILE,
     BufferRecord,
@@ -204,14 +213,71 @@ def test_check_file_messages(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"0123456789")
     record = {"size": 10, "sha256": hashlib.sha256(b"0123456789").hexdigest()}
+    where = f"checkpoint {tmp_path}:"
+    change = "does not match its checksum (file changed or truncated after saving"
     assert check_file(tmp_path, "f", record) == ""
-    assert check_file(tmp_path, "g", record) == "shard file g is missing"
+    assert check_file(tmp_path, "g", record) == f"{where} g is missing; load an earlier checkpoint"
     os.truncate(path, 8)
-    assert check_file(tmp_path, "f", record) == (
-        "shard file f has 8 bytes, the manifest says 10 (truncated?)"
+    assert check_file(tmp_path, "f", record, "consolidate") == (
+        f"{where} f {change}: expected 10 bytes, found 8); consolidate an earlier checkpoint"
     )
     path.write_bytes(b"0123456780")
-    assert check_file(tmp_path, "f", record).startswith("shard file f is corrupted: SHA-256 ")
+    assert check_file(tmp_path, "f", record) == (
+        f"{where} f {change}: expected sha256 {record['sha256'][:16]}..., got "
+        f"{hashlib.sha256(b'0123456780').hexdigest()[:16]}...); load an earlier checkpoint"
+    )
+
+
+def test_checksum_file_and_verified_manifest(tmp_path: Path) -> None:
+    """The pieces of [Note: checkpoint checksums] the multi-rank tests do not reach: the
+    ``sha256sum`` format and a malformed or incomplete checksum file."""
+    m = dataclasses.replace(manifest([[piece("w", 0, 10)]]), checksums=CHECKSUMS)
+    data = m.to_json().encode()
+    (tmp_path / "manifest.json").write_bytes(data)
+    digests = {"manifest.json": hashlib.sha256(data).hexdigest()}
+    digests["rank-00000.safetensors"] = "x"  # as manifest() records it
+    with pytest.raises(ValueError, match=r"^line 2 is not"):  # "x" is no SHA-256
+        parse_checksums(format_checksums(digests))
+    digests["rank-00000.safetensors"] = "a" * 64
+    text = format_checksums(digests)
+    lines = [f"{digests['manifest.json']}  manifest.json", f"{'a' * 64}  rank-00000.safetensors"]
+    assert text == "".join(line + "\n" for line in lines).encode()
+    assert parse_checksums(text) == digests
+    assert parse_checksums(text.replace(b"  rank", b" *rank")) == digests  # binary-mode marker
+    with pytest.raises(ValueError) as bad:
+        parse_checksums(text + text)
+    assert str(bad.value) == "line 3 is not '<sha256>  <file name>' or repeats a name"
+
+    where, advice = f"checkpoint {tmp_path}:", "; load an earlier checkpoint"
+    (tmp_path / CHECKSUMS).write_bytes(text)  # the manifest's "x" disagrees with "aaa..."
+    with pytest.raises(CheckpointError) as info:
+        read_verified_manifest(tmp_path)
+    assert str(info.value) == (
+        f"{where} checksums.sha256 and manifest.json disagree about rank-00000.safetensors{advice}"
+    )
+    (tmp_path / CHECKSUMS).write_bytes(text.splitlines(keepends=True)[1])
+    with pytest.raises(CheckpointError) as info:
+        read_verified_manifest(tmp_path)
+    assert str(info.value) == f"{where} checksums.sha256 has no line for manifest.json{advice}"
+    (tmp_path / CHECKSUMS).write_bytes(b"\xff\n")
+    with pytest.raises(CheckpointError) as info:
+        read_verified_manifest(tmp_path)
+    assert str(info.value).startswith(f"{where} checksums.sha256 is malformed (")
+    digests["rank-00000.safetensors"] = "x"
+    write_checksums(tmp_path, digests)  # the writer does not check: the saver's digests are hex
+    with pytest.raises(CheckpointError) as info:
+        read_verified_manifest(tmp_path, "consolidate")
+    assert str(info.value) == (
+        f"{where} checksums.sha256 is malformed (line 2 is not '<sha256>  <file name>' or "
+        "repeats a name); consolidate an earlier checkpoint"
+    )
+    files = {"rank-00000.safetensors": "b" * 64}
+    m = dataclasses.replace(m, files={f: {"size": 1, "sha256": d} for f, d in files.items()})
+    data = m.to_json().encode()
+    (tmp_path / "manifest.json").write_bytes(data)
+    write_checksums(tmp_path, {"manifest.json": hashlib.sha256(data).hexdigest()} | files)
+    assert read_verified_manifest(tmp_path) == m
+    assert read_manifest(tmp_path) == m  # the "checksums" key round-trips
 
 
 # --- the checkpoint root -----------------------------------------------------------------------

@@ -1,13 +1,11 @@
 """Checks on a checkpoint before anything is loaded: does the manifest hold together, does it fit
-this model, are the files there and intact. Each returns messages (empty: fine) so that every
-rank can report its verdict to the others before any rank raises (see ``load.py``)."""
+this model (whether the files are there and intact: ``integrity.py``). Each returns messages
+(empty: fine) so that every rank can report its verdict to the others before any rank raises
+(see ``load.py``)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Sequence
-from typing import Any
 
 from zerodp.checkpoint.manifest import Manifest, SavedPiece, sources_by_name
 from zerodp.partition.layout import Range
@@ -112,34 +110,3 @@ def _compare_named(
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-# -- checksums ----------------------------------------------------------------------------------
-
-
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def check_file(directory: str | os.PathLike[str], name: str, record: dict[str, Any]) -> str:
-    """An error message if ``name`` is missing, truncated/extended, or corrupted."""
-    path = os.path.join(directory, name)
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        return f"shard file {name} is missing"
-    if size != record["size"]:
-        return (
-            f"shard file {name} has {size} bytes, the manifest says {record['size']} (truncated?)"
-        )
-    digest = sha256_file(path)
-    if digest != record["sha256"]:
-        return (
-            f"shard file {name} is corrupted: SHA-256 {digest[:16]}... does not match the "
-            f"manifest's {record['sha256'][:16]}..."
-        )
-    return ""

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from zerodp.checkpoint import directory as fs
-from zerodp.checkpoint.checks import check_file, check_manifest
+from zerodp.checkpoint.checks import check_manifest
+from zerodp.checkpoint.integrity import check_file, read_verified_manifest
 from zerodp.checkpoint.manifest import (
     COMMON_FILE,
     CheckpointError,
@@ -60,13 +61,17 @@ def consolidate_checkpoint(
     a root whose ``latest`` is used) to the safetensors file ``output``, loadable with
     ``model.load_state_dict(safetensors.torch.load_file(output))``. Parameters are the saved
     master values (fp32 under mixed precision); ``dtype`` ("fp32", "bf16", "fp16" or a torch
-    dtype) casts every floating-point tensor. ``verify`` checks every file's SHA-256 first.
+    dtype) casts every floating-point tensor. ``verify`` checks the SHA-256 of every file,
+    the manifest's first (``verify=False``: salvage what a damaged checkpoint still holds).
     The output appears atomically (written to a temporary name, then renamed)."""
     path = fs.resolve(checkpoint)
-    m = read_manifest(path)
+    try:
+        m = read_verified_manifest(path, "consolidate") if verify else read_manifest(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot consolidate {path}:\n  {exc}") from None
     problems = check_manifest(m)
     if verify:
-        problems += [check_file(path, f, rec) for f, rec in sorted(m.files.items())]
+        problems += [check_file(path, f, rec, "consolidate") for f, rec in sorted(m.files.items())]
     problems = [p for p in problems if p]
     if problems:
         raise CheckpointError(f"cannot consolidate {path}:\n  " + "\n  ".join(problems))

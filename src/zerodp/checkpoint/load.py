@@ -1,8 +1,9 @@
 """``load_checkpoint`` (at any world size and stage) and ``load_model_state_dict``.
 
 Every rank first learns which parameters some rank optimizes (one small ``all_gather_object``
-of names: the others must be read whole), validates on its own (manifest, model structure,
-optimizer, and the size and SHA-256 of each file it is going to read), then all ranks exchange
+of names: the others must be read whole), validates on its own (the manifest's checksum, the
+manifest, model structure, optimizer, and the size and SHA-256 of each file it is going to read:
+[Note: checkpoint checksums] in ``integrity.py``), then all ranks exchange
 verdicts in one ``all_gather_object``; only if every rank is content does any rank touch its
 state. Each rank
 then reads, for each piece it owns now, the intersection of that piece's range with the saved
@@ -22,13 +23,14 @@ from torch import nn
 
 from zerodp.checkpoint import directory as fs
 from zerodp.checkpoint import rng
-from zerodp.checkpoint.checks import check_file, check_manifest, compare_structure
+from zerodp.checkpoint.checks import check_manifest, compare_structure
 from zerodp.checkpoint.common import (
     attempt,
     engine_of,
     raise_if_any,
     state_dict_entries,
 )
+from zerodp.checkpoint.integrity import check_file, read_verified_manifest
 from zerodp.checkpoint.manifest import (
     COMMON_FILE,
     CheckpointError,
@@ -39,7 +41,6 @@ from zerodp.checkpoint.manifest import (
     decode,
     plan_reads,
     rank_file,
-    read_manifest,
     sources_by_name,
     state_key,
 )
@@ -102,7 +103,7 @@ def _validate(
     optimized: set[str],
 ) -> _Plan:
     path = fs.resolve(directory)
-    m = read_manifest(path)
+    m = read_verified_manifest(path)  # every rank: nothing of an edited manifest is used
     world, stage = engine.comm.world_size, engine.plan.stage
     problems = []
     if not allow_reshard and (m.world_size, m.stage) != (world, stage):

@@ -3,7 +3,8 @@
 [Note: checkpoint format]
 A checkpoint is one directory (see docs/checkpoints.md)::
 
-    manifest.json            written last: describes everything below
+    checksums.sha256         written last: SHA-256 of every file below (``sha256sum`` format)
+    manifest.json            describes everything below, with each file's size and SHA-256
     common.safetensors       rank 0: replicated tensors (frozen or never-optimized parameters,
                              buffers), each flattened to 1-D
     rank-00000.safetensors   one per rank: only what that rank owned
@@ -14,7 +15,10 @@ per-element optimizer state tensor ``state/<key>/<name>/<a>-<b>``, plus its RNG 
 state (Adam's ``step``) is stored in the manifest, exactly (JSON floats are float64, which holds
 every float32/bf16/fp16 value). Because everything is keyed by (name, range), loading at another
 world size or stage is range intersection (``plan_reads``), whatever layout wrote the ranges.
-Checks of a manifest against itself, the model and the files are in ``checks.py``.
+Checks of a manifest against itself and the model are in ``checks.py``; the checksums, and
+why a manifest is parsed only after they match, in [Note: checkpoint checksums]
+(``integrity.py``). ``checksums`` (the checksum file's name) was added to the manifest without a
+format bump: a manifest without it is from before, and older readers ignore it.
 """
 
 from __future__ import annotations
@@ -180,6 +184,7 @@ class Manifest:
     files: dict[str, dict[str, Any]]  # file name -> {"size", "sha256"}
     counters: dict[str, int] = field(default_factory=dict)  # other engine counters
     versions: dict[str, str] = field(default_factory=dict)
+    checksums: str | None = None  # the checksum file covering this manifest; None: older save
 
     def to_json(self) -> str:
         d = {
@@ -199,6 +204,8 @@ class Manifest:
             "files": self.files,
             "ranks": [r.to_json() for r in self.ranks],
         }
+        if self.checksums is not None:
+            d["checksums"] = self.checksums
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -224,6 +231,7 @@ class Manifest:
             files=d["files"],
             counters=d.get("counters", {}),
             versions=d.get("versions", {}),
+            checksums=d.get("checksums"),
         )
 
     def param(self, name: str) -> ParamRecord | None:
@@ -252,12 +260,19 @@ def _param_record(d: dict[str, Any]) -> ParamRecord:
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a checkpoint directory, for inspection: its checksum is not verified
+    (``load_checkpoint`` and ``consolidate_checkpoint`` verify it, see ``integrity.py``)."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist: not a (complete) checkpoint") from None
+    return parse_manifest(text, path)
+
+
+def parse_manifest(text: str, path: str) -> Manifest:
+    """``Manifest.from_json`` with every parse error a ``CheckpointError`` naming ``path``."""
     try:
         return Manifest.from_json(text)
     except (KeyError, TypeError, ValueError, AssertionError) as exc:

@@ -3,13 +3,15 @@
 Three phases, each closed by one collective in which every rank reports success or its error,
 so that a failure anywhere makes every rank raise the same ``CheckpointError`` instead of
 leaving some blocked: (1) prepare (encode, check ``extra``) and make the temporary directory;
-(2) write the rank files; (3) rank 0 writes the replicated tensors and the manifest, then
-renames the directory into place, points ``latest`` at it and prunes. No tensor data moves
-between ranks. See [Note: checkpoint format] in ``manifest.py``.
+(2) write the rank files (each hashed as it is written); (3) rank 0 writes the replicated
+tensors, the manifest and the checksum file covering it, then renames the directory into place,
+points ``latest`` at it and prunes. No tensor data moves between ranks. See [Note: checkpoint
+format] in ``manifest.py`` and [Note: checkpoint checksums] in ``integrity.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ from zerodp.checkpoint.common import (
     raise_if_any,
     state_dict_entries,
 )
+from zerodp.checkpoint.integrity import CHECKSUMS, write_checksums
 from zerodp.checkpoint.manifest import (
     COMMON_FILE,
     MANIFEST,
@@ -237,9 +240,17 @@ def _finish(
         files=files,
         counters={c: getattr(engine, c) for c in COUNTERS if hasattr(engine, c)},
         versions=_versions(),
+        checksums=CHECKSUMS,
     )
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        f.write(manifest.to_json())
+    # Bytes, hashed as written: the digest is of exactly what is on disk (no newline
+    # translation), and the checksum file covering the manifest comes last ([Note: checkpoint
+    # checksums]); publish() fsyncs both before the rename makes the checkpoint visible.
+    data = manifest.to_json().encode("utf-8")
+    with open(tmp / MANIFEST, "wb") as f:
+        f.write(data)
+    digests = {f: rec["sha256"] for f, rec in files.items()}
+    digests[MANIFEST] = hashlib.sha256(data).hexdigest()
+    write_checksums(tmp, digests)
     fs.publish(tmp, root / name)
     fs.write_latest(root, name)
     fs.remove_stale(root)

@@ -31,7 +31,9 @@ def add_parser(subparsers: Any) -> None:
         help="dtype of floating-point tensors in the output (default fp32: the master values)",
     )
     p.add_argument(
-        "--no-verify", action="store_true", help="skip the SHA-256 check of the shard files"
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 checks of manifest.json and the shard files (salvage)",
     )
     p.set_defaults(func=run)
 
