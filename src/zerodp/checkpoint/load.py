@@ -46,6 +46,7 @@ from zerodp.checkpoint.manifest import (
 )
 from zerodp.checkpoint.tensorfile import ShardReader, dtype_from_name
 from zerodp.params.access import ShardedParameter
+from zerodp.params.order import Op
 from zerodp.partition.layout import Range
 
 if TYPE_CHECKING:
@@ -79,7 +80,9 @@ def load_checkpoint(
     engine = engine_of(model, opt)
     comm = engine.comm
     header = f"cannot load checkpoint {directory}; nothing was changed:"
-    with comm.untracked():
+    with comm.untracked(), comm.phase("checkpoint load"):
+        if engine.params is not None:  # [stage 3] meet a rank still in a step at its check
+            engine.params.check(Op.CHECKPOINT)
         mine = sorted({op.name for op in engine.pieces})
         optimized = set().union(*comm.all_gather_object(mine))
         plan, error = attempt(lambda: _validate(directory, model, engine, allow_reshard, optimized))
@@ -197,6 +200,7 @@ def _apply(plan: _Plan, reader: ShardReader, model: nn.Module, engine: ZeroEngin
     if scaler is not None and m.scaler is not None:
         scaler.load_state_dict(decode(m.scaler))
     engine.steps = m.step
+    engine.comm.progress.step = m.step
     for counter, value in m.counters.items():
         if hasattr(engine, counter):
             setattr(engine, counter, value)

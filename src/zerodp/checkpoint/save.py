@@ -51,6 +51,7 @@ from zerodp.checkpoint.manifest import (
     state_key,
 )
 from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
+from zerodp.params.order import Op
 from zerodp.partition.layout import Range
 
 if TYPE_CHECKING:
@@ -91,29 +92,50 @@ def save_checkpoint(
     root = Path(directory)
     name = fs.step_dir_name(engine.steps)
     header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
-    with comm.untracked():
+    with comm.untracked(), comm.phase("checkpoint save"):
+        if engine.params is not None:  # [stage 3] meet a rank still in a step at its check
+            engine.params.check(Op.CHECKPOINT)
         prep, error = attempt(lambda: _prepare(engine, extra, keep_last))
         tmp = None
         if comm.rank == 0 and not error:
             tmp, error = attempt(lambda: fs.make_tmp_dir(root, name))
-        replies = comm.all_gather_object((error, str(tmp) if tmp else None))
-        _check(replies, header, tmp if comm.rank == 0 else None)
-        tmp = Path(replies[0][1])
-        assert prep is not None
-        written, error = attempt(lambda: _write_rank_file(tmp, engine, prep))
-        replies = comm.all_gather_object((error, written))
-        _check(replies, header, tmp if comm.rank == 0 else None)
-        error = ""
-        if comm.rank == 0:
-            records = [w for _, w in replies]
-            done = (root, name, tmp, model, engine, prep, records, keep_last)
-            _, error = attempt(lambda: _finish(*done))
-            if error:
+        try:  # a collective that fails (a late or dead rank) leaves no temporary directory
+            replies = comm.all_gather_object((error, str(tmp) if tmp else None, engine.steps))
+            _check_steps([steps for _, _, steps in replies], header, tmp)
+            _check([r[:2] for r in replies], header, tmp if comm.rank == 0 else None)
+            tmp = Path(replies[0][1])
+            assert prep is not None
+            written, error = attempt(lambda: _write_rank_file(tmp, engine, prep))
+            replies = comm.all_gather_object((error, written))
+            _check(replies, header, tmp if comm.rank == 0 else None)
+            error = ""
+            if comm.rank == 0:
+                records = [w for _, w in replies]
+                done = (root, name, tmp, model, engine, prep, records, keep_last)
+                _, error = attempt(lambda: _finish(*done))
+                if error:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            error = comm.broadcast_object(error)
+        except BaseException:
+            if comm.rank == 0 and tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-        error = comm.broadcast_object(error)
+            raise
         if error:
             raise CheckpointError(f"{header}\n  rank 0: {error}")
     return root / name
+
+
+def _check_steps(steps: list[int], header: str, tmp: Path | None) -> None:
+    """Ranks that ran different numbers of optimizer steps would save a mix of states."""
+    if len(set(steps)) == 1:
+        return
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    detail = ", ".join(f"rank {r} after {n}" for r, n in enumerate(steps))
+    raise CheckpointError(
+        f"{header}\n  ranks are at different steps ({detail} optimizer steps): every rank "
+        "must run the same number of optimizer steps before save_checkpoint"
+    )
 
 
 def _check(replies: list[Any], header: str, cleanup: Path | None) -> None:

@@ -2,6 +2,7 @@
 and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
+from zerodp.comm.diagnosis import STEP_PHASES
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
 from zerodp.comm.watchdog import BETWEEN_STEPS, CollectiveError
 
@@ -9,6 +10,7 @@ __all__ = [
     "BETWEEN_STEPS",
     "CONTROL",
     "MODEL",
+    "STEP_PHASES",
     "CollectiveError",
     "CommLedger",
     "CommStats",

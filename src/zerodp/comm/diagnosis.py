@@ -50,7 +50,7 @@ def where(step: int, phase: str) -> str:
         return f"step {step + 1}, {phase}"
     if phase == "between steps":
         return f"after step {step}, in the training loop's own code"
-    return f"{phase} (after step {step})"
+    return f"{phase} after step {step}"
 
 
 def position(r: int, rec: Record | None, now: float) -> str:
@@ -64,8 +64,10 @@ def position(r: int, rec: Record | None, now: float) -> str:
     else:
         last = f"; last collective {rec.op} #{rec.seq}" if rec.seq else ""
         text = f"rank {r}: {place} for {now - rec.since:.1f} s{last}"
-    if rec.error_kind:
-        text += f" [{rec.error_kind}: {rec.error}]"
+    if rec.error_kind == "gave up":
+        text += f" [gave up waiting in {rec.error}]"
+    elif rec.error_kind:
+        text += f" [its collective failed: {rec.error}]"
     return text
 
 
@@ -116,30 +118,42 @@ def explain(
     if len(set(ops.values())) > 1:
         detail = ", ".join(f"rank {r} {op}" for r, op in sorted(ops.items()))
         lines.append(f"ranks issued different collectives as #{arrival.seq}: {detail}")
-    steps = {r: rec.step for r, rec in records.items()}
-    steps[me] = arrival.step
-    if len(set(steps.values())) > 1:
-        detail = ", ".join(f"rank {r} after {s}" for r, s in sorted(steps.items()))
-        lines.append(
-            f"ranks are at different steps ({detail} optimizer steps): every rank must run the "
-            "same number of optimizer steps, and the same collectives, before a checkpoint, "
-            "an evaluation or the end"
-        )
+    if not late and first_failed is None and not waited_for_me:
+        lines += _different_steps(me, arrival, records)
     if not timed_out:
         lines.append(f"the collective failed on this rank: {_first(cause)}")
     lines.append("where every rank is:")
     lines += ["  " + position(r, records.get(r), now) + _mark(r, me, late) for r in range(world)]
     if timed_out and timeout_s is not None:
-        lines.append(
-            f"ZeroConfig.watchdog_s ({timeout_s:g} s) is how long a rank waits for the others; a "
-            "late rank is stuck in its own code (data loading, a deadlock, a debugger) or raised "
-            "an exception that did not end its process."
-        )
+        text = f"ZeroConfig.watchdog_s ({timeout_s:g} s) is how long a rank waits for the others"
+        if late:
+            text += (
+                "; a late rank is stuck in its own code (data loading, a deadlock, a debugger) "
+                "or raised an exception that did not end its process"
+            )
+        lines.append(text + ".")
     lines.append(
         "The process group cannot be used after this error: end the process and resume from "
         "the last checkpoint (zerodp.load_checkpoint)."
     )
     return "zerodp: " + "\n".join(lines), late, first_failed
+
+
+def _different_steps(me: int, arrival: ArrivalLike, records: dict[int, Record]) -> list[str]:
+    """When every rank arrived but they disagree, different step counts are the usual cause."""
+    places = {r: _in_step(rec.step, rec.phase) for r, rec in records.items()}
+    places[me] = _in_step(arrival.step, arrival.phase)
+    if len(set(places.values())) == 1:
+        return []
+    detail = ", ".join(f"rank {r} {place}" for r, place in sorted(places.items()))
+    return [
+        f"ranks are at different steps ({detail}): every rank must run the same number of "
+        "optimizer steps, and the same collectives, before a checkpoint, an evaluation or the end"
+    ]
+
+
+def _in_step(step: int, phase: str) -> str:
+    return f"in step {step + 1}" if phase in STEP_PHASES else f"after step {step}"
 
 
 def _behind(rec: Record | None, seq: int) -> bool:

@@ -100,6 +100,7 @@ class Watch:
         self.waiting: tuple[Arrival, float] | None = None  # and since (time.time())
         self.error: tuple[str, str] | None = None  # (kind, text): "failed" | "gave up" | "error"
         self.late: tuple[int, ...] = ()
+        self._failed_at: tuple[int, str] | None = None
         self.changed_at = time.time()
         self._published: str | None = None
         self._lock = threading.Lock()
@@ -130,10 +131,10 @@ class Watch:
                     left = max(timeout - (time.time() - start), 0.001)
                     work.wait(datetime.timedelta(seconds=left))
         except RuntimeError as e:
-            raise self.diagnose(arrival, time.time() - start, e, timeout) from e
-        finally:
             self.waiting = None
-            self.changed_at = time.time()
+            raise self.diagnose(arrival, time.time() - start, e, timeout) from e
+        self.waiting = None
+        self.changed_at = time.time()
 
     def diagnose(
         self, arrival: Arrival, waited: float, cause: BaseException, timeout: float | None
@@ -143,11 +144,10 @@ class Watch:
             return cause
         # Work.wait(timeout) may return a hair early by this clock.
         timed_out = timeout is not None and waited >= 0.99 * timeout
-        kind = "gave up" if timed_out else "error"
-        text = f"{arrival.op} #{arrival.seq} after {waited:.1f} s"
-        if not timed_out:
-            text += f": {_first_line(cause)}"
-        self.error = (kind, text)
+        kind = "gave up" if timed_out else "error"  # the cause itself is in this rank's message
+        self.error = (kind, f"{arrival.op} #{arrival.seq} after {waited:.1f} s")
+        self._failed_at = (self.progress.step, self.progress.phase)
+        self.changed_at = time.time()
         self.publish()
         time.sleep(self.interval_s * 1.5)  # others' publishers refresh in that time
         records = self.read_all()
@@ -164,6 +164,7 @@ class Watch:
         connections close, so that the others name this rank and its exception."""
         if self.error is None:
             self.error = ("failed", f"{type(exc).__name__}: {_first_line(exc)}")
+            self._failed_at = (self.progress.step, self.progress.phase)
         self.publish()
 
     # -- the store (main thread or publisher) --------------------------------------------------
@@ -171,11 +172,14 @@ class Watch:
     def record(self) -> Record:
         waiting = self.waiting
         last = self.last
+        # After an error, the place it happened: the exception unwinding the caller's phase
+        # must not move this rank's published position.
+        step, phase = self._failed_at or (self.progress.step, self.progress.phase)
         return Record(
             seq=last.seq if last else 0,
             op=last.op if last else "",
-            step=self.progress.step,
-            phase=self.progress.phase,
+            step=step,
+            phase=phase,
             waiting=waiting is not None,
             since=waiting[1] if waiting else self.changed_at,
             error_kind=self.error[0] if self.error else "",

@@ -32,7 +32,7 @@ from typing import NoReturn
 
 import torch
 
-from zerodp.comm import Communicator
+from zerodp.comm import STEP_PHASES, Communicator
 
 
 class Op(enum.IntEnum):
@@ -41,6 +41,7 @@ class Op(enum.IntEnum):
     REDUCE = 2
     STEP = 3
     BUFFERS = 7  # the broadcast of the root's buffers before a training forward
+    CHECKPOINT = 8  # save_checkpoint / load_checkpoint's first exchange
     # Markers (``OrderCheck.mark``): no collective of their own; what a rank starts, agreed on
     # in the next exchange ([Note: inference] in hooks.py).
     TRAIN = 4
@@ -48,7 +49,7 @@ class Op(enum.IntEnum):
     GENERATE = 6
 
 
-_UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS)
+_UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS, Op.CHECKPOINT)
 
 PLAN_SLOTS = 4
 """Collectives agreed on per exchange (``approve``); every exchange has this shape."""
@@ -63,6 +64,7 @@ _VERBS = {
     Op.INFER: "starts a forward without gradients (eval / no_grad)",
     Op.GENERATE: "starts model.generate",
     Op.BUFFERS: "broadcasts the module buffers",
+    Op.CHECKPOINT: "saves or loads a checkpoint",
 }
 
 _INFERENCE_HINT = (
@@ -88,6 +90,7 @@ class OrderCheck:
         self.calls = 0  # exchanges so far
         self._approved: deque[tuple[Op, int]] = deque()  # agreed, not issued yet
         self._marker = Op.NOTHING  # sent with the next exchange
+        self._positions: list[int] = []  # every rank's step position at the last exchange
 
     def __call__(self, op: Op, index: int = -1) -> None:
         """Agree with every rank that the next collective is ``op`` on ``index``: consumes the
@@ -124,7 +127,7 @@ class OrderCheck:
 
     def _exchange(self, part: list[tuple[Op, int]]) -> None:
         slots = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
-        flags = [int(bool(self.error)), int(self._marker)]
+        flags = [int(bool(self.error)), int(self._marker), _position(self.comm)]
         flags += [v for op, i in slots for v in (int(op), i)]
         self._marker = Op.NOTHING
         mine = torch.tensor(flags, dtype=torch.int64, device=self.device)
@@ -136,13 +139,15 @@ class OrderCheck:
             raise RuntimeError(
                 f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
             )
-        # Column 1 is the marker, then (op, index) per slot. Where every rank starts some work
-        # and the kinds differ (one evaluates while another trains), that is the story; else the
-        # collectives say best where ranks diverge, and a marker differing alone comes last.
+        self._positions = [row[2] for row in everyone]
+        # Column 1 is the marker, column 2 the step position, then (op, index) per slot. Where
+        # every rank starts some work and the kinds differ (one evaluates while another
+        # trains), that is the story; else the collectives say best where ranks diverge, and a
+        # marker differing alone comes last.
         markers = [(Op(row[1]), -1) for row in everyone]
         if Op.NOTHING not in {m for m, _ in markers} and len(set(markers)) > 1:
             self._diverged(markers)
-        for col in range(2, 2 + 2 * PLAN_SLOTS, 2):
+        for col in range(3, 3 + 2 * PLAN_SLOTS, 2):
             seen = [(Op(row[col]), row[col + 1]) for row in everyone]
             if any(s != seen[0] for s in seen):
                 self._diverged(seen)
@@ -163,6 +168,14 @@ class OrderCheck:
                 "that runs on some ranks only is not supported: put its parameters in an "
                 "enclosing unit via ZeroConfig.unit_classes or unit_policy)"
             )
+        if len(set(self._positions)) > 1:  # the usual cause: say it first
+            where = ", ".join(
+                f"rank {r} {_describe_position(v)}" for r, v in enumerate(self._positions)
+            )
+            advice = (
+                f"Ranks are at different steps ({where}): every rank must run the same number "
+                "of optimizer steps (before save_checkpoint or load_checkpoint too). " + advice
+            )
         raise RuntimeError(
             f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
         )
@@ -171,3 +184,15 @@ class OrderCheck:
         if op in _UNLABELLED:
             return _VERBS[op]
         return f"{_VERBS[op]} '{self.labels[index]}'"
+
+
+def _position(comm: Communicator) -> int:
+    """Steps completed, doubled, plus one inside a step: equal on every rank of a correct
+    program at every exchange."""
+    progress = comm.progress
+    return 2 * progress.step + int(progress.phase in STEP_PHASES)
+
+
+def _describe_position(value: int) -> str:
+    step, inside = divmod(value, 2)
+    return f"in step {step + 1}" if inside else f"after step {step}"
