@@ -259,13 +259,11 @@ def _resume_in_new_processes(root: str) -> tuple[Any, list[float], dict[str, tor
 def test_killed_save_keeps_previous_and_resume_in_new_processes(tmp_path: Path) -> None:
     root, results = tmp_path / "ckpt", tmp_path / "results"
     results.mkdir()
-    with pytest.raises(RankFailure, match="exited with code 17"):
-        run_world(_save_continue_then_crash, 2, str(root), str(results), timeout=60)
-    debris = sorted(p.name for p in root.iterdir())
-    assert debris[0].startswith(f".step-{2 * K:08d}.tmp-") and debris[1:] == [
-        "latest",
-        f"step-{K:08d}",
-    ], debris
+    # A long grace: rank 0 survives (its collective fails with zerodp.CollectiveError naming
+    # rank 1) and removes the temporary directory before the harness stops it.
+    with pytest.raises(RankFailure, match="exited with code 17"), WorldPool(2, grace=20) as pool:
+        pool.run(_save_continue_then_crash, str(root), str(results), timeout=60)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", f"step-{K:08d}"]
     assert (root / "latest").read_text().strip() == f"step-{K:08d}"
 
     resumed = run_world(_resume_in_new_processes, 2, str(root), timeout=60)

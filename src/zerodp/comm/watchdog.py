@@ -149,7 +149,9 @@ class Watch:
         self._failed_at = (self.progress.step, self.progress.phase)
         self.changed_at = time.time()
         self.publish()
-        time.sleep(self.interval_s * 1.5)  # others' publishers refresh in that time
+        # Others' publishers refresh in that time. A failed collective (a dead peer) needs less:
+        # the dying rank wrote its record before its connections closed.
+        time.sleep(self.interval_s * (1.5 if timed_out else 0.2))
         records = self.read_all()
         world = len(self.members)
         message, late, failed = explain(
