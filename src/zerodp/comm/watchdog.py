@@ -70,6 +70,9 @@ class Progress:
     def enter(self, phase: str) -> None:
         self.phase = phase
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Progress:
+        return self  # one per process and group, like the Watch holding it
+
 
 class Arrival(NamedTuple):
     seq: int
@@ -107,6 +110,11 @@ class Watch:
         self._prefix = "zerodp/watch/" + "-".join(map(str, self.members[:8])) + f"/{len(members)}/"
         self.publish()
         _PUBLISHER.register(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Watch:
+        # copy.deepcopy(model) reaches the engine: a copy shares this process's position
+        # (and the store and lock cannot be copied).
+        return self
 
     # -- the main thread -----------------------------------------------------------------------
 
