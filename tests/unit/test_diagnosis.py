@@ -17,7 +17,7 @@ def _rec(seq: int, op: str, step: int, phase: str, **kw: object) -> Record:
         "step": step,
         "phase": phase,
         "waiting": False,
-        "since": NOW - 3.0,
+        "since": time.time() - 3.0,  # explain() measures ages from its own clock
         "error_kind": "",
         "error": "",
         "at": NOW,
