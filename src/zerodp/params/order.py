@@ -22,6 +22,26 @@ rank started since the last exchange (a training forward, a forward without grad
 ``generate``), so ranks doing different kinds of work over the same units are told apart with
 no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.check_unit_order=False`` skips
 the checks once a model is known to run the same units on every rank.
+
+[Note: merged plans]
+Ranks may run different units (top-1 MoE routing, a layer dropped on one rank, a branch taken on
+some ranks): every rank learns every plan at the exchange, so where plans differ they are
+merged instead of refused. A second small all-gather tells, per item of the union, whether each
+rank can take part: a rank that did not plan an all-gather joins it as an *extra* (into a
+scratch buffer freed as soon as it completes: at most one unit more than the bound, briefly); a
+rank that did not plan a reduce-scatter joins it with zeros only if it is in the same backward
+(``backwards`` column) and the unit was not used there since the last backward (``touched``), so
+no gradient can arrive later; else the reduce-scatter is left for later on the ranks that
+planned it (they keep the gradients; the end of backward reduces what is left, in unit order).
+The agreed items are issued in one order that contains every rank's plan as a subsequence
+(``_merge``, the same on every rank); extras are issued before the next own collective or right
+after the last (``issue_extras``). A rank that cannot go on until its items are agreed (the end
+of backward, the step, a buffer broadcast, a checkpoint) exchanges again while the others run:
+their exchanges pair with its repeats. Where nothing can be agreed and every rank waits (one
+more backward on one rank than on another), or two ranks order the same gathers differently,
+every rank raises the divergence error. Markers that differ only by a rank not starting
+anything wait for the next exchange. Cost: an all-gather or reduce-scatter of each unit run
+anywhere, on every rank, plus one control all-gather per differing exchange.
 """
 
 from __future__ import annotations
@@ -289,9 +309,10 @@ class OrderCheck:
             )
         else:
             advice = (
-                "Every rank must run the same units in the same order in each step (a unit "
-                "that runs on some ranks only is not supported: put its parameters in an "
-                "enclosing unit via ZeroConfig.unit_classes or unit_policy)"
+                "Every rank must run the same backwards and steps; units that run on some "
+                "ranks only are merged, but not the same units in different orders (put "
+                "their parameters in an enclosing unit via ZeroConfig.unit_classes or "
+                "unit_policy)"
             )
         if len(set(self._positions)) > 1:  # the usual cause: say it first
             where = ", ".join(
