@@ -116,6 +116,7 @@ class Schedule:
         self._deferred: list[Unit] = []  # backward done, reduce-scatter not issued yet
         self._backward_open = False
         self._handles: list[Any] = []
+        check.extras = self  # collectives other ranks planned ([Note: merged plans])
 
     def register(self, param_units: list[tuple[nn.Parameter, str, Unit | None]]) -> None:
         for unit in self.units:
@@ -149,6 +150,7 @@ class Schedule:
             self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
         unit.active += 1
+        unit.touched = True
         self.trace("forward", unit)
         if unit.segments:
             self._prefetch(self.fwd.visit(unit.index))
@@ -212,8 +214,7 @@ class Schedule:
         wanted = [self.units[i] for i in upcoming]
         plan = self._deferred_plan() + Gatherer.start_plan(unit)
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
-        self.check.approve(plan)
-        self._flush_deferred()
+        self._flush_deferred(self._approve(plan))
         self._use(unit)
         self.trace("backward", unit)
         if unit.segments:
@@ -254,9 +255,14 @@ class Schedule:
             # forward), or a call on inputs that need no gradient (token ids; a unit applied
             # to the same input twice). Each parameter has one AccumulateGrad per backward,
             # run after every use, so the gradients are complete now: reduce and release.
-            self.check.approve(self._deferred_plan() + self._reduce_plan(unit))
-            self._flush_deferred()
-            self._reduce(unit)
+            own = self._reduce_plan(unit)
+            agreed = self._approve(self._deferred_plan() + own)
+            self._flush_deferred(agreed)
+            if all(op in agreed for op in own):
+                self._reduce(unit)
+            else:  # another rank cannot take part yet: a later hook issues it
+                unit.reduced = True
+                self._deferred.append(unit)
             unit.borrowed = False
             unit.in_backward = False
             self.maybe_release(unit)
@@ -265,42 +271,102 @@ class Schedule:
         if self._backward_open:
             return
         self._backward_open = True
+        self.check.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.bwd.begin(guess=self.fwd.last[::-1])
 
     def _end_backward(self) -> None:
-        self._backward_open = False
         if self.grads.sync_enabled:
-            rest = [u for u in self.units if not u.reduced]
-            plan = self._deferred_plan() + [op for u in rest for op in self._reduce_plan(u)]
-            plan += [op for i in self.persistent_seg_ids for op in self.grads.reduce_plan(i)]
-            self.check.approve(plan)
-            self._flush_deferred()
-            for unit in rest:
-                self._reduce(unit)
-            for i in self.persistent_seg_ids:
-                self.grads.reduce(i)
+            # Every unit not reduce-scattered yet, in unit order (the same list on every rank
+            # once all are here: [Note: merged plans]), then the persistent segments; agreed
+            # again while other ranks are still in their backward.
+            deferred = {id(u) for u in self._deferred}
+            units = [u for u in self.units if not u.reduced or id(u) in deferred]
+            self._deferred = []
+            for u in units:
+                u.reduced = True
+            segs = list(self.persistent_seg_ids)
+            while True:
+                plan = [op for u in units for op in self._reduce_plan(u)]
+                plan += [op for i in segs for op in self.grads.reduce_plan(i)]
+                agreed = self._approve(plan, blocked=True)
+                for u in [u for u in units if all(op in agreed for op in self._reduce_plan(u))]:
+                    self._reduce(u)
+                    units.remove(u)
+                for i in [i for i in segs if all(op in agreed for op in self.grads.reduce_plan(i))]:
+                    self.grads.reduce(i)
+                    segs.remove(i)
+                if not units and not segs:
+                    break
             self.grads.end_round()
+        self._backward_open = False
         self.bwd.end()
         self.reset()
 
+    def _approve(self, plan: list[tuple[Op, int]], blocked: bool = False) -> set[tuple[Op, int]]:
+        """The items of ``plan`` every rank agreed on (``OrderCheck.approve``)."""
+        return {op for op, ok in zip(plan, self.check.approve(plan, blocked), strict=True) if ok}
+
     def _reduce(self, unit: Unit) -> None:
-        for i in unit.seg_ids:
-            self.grads.reduce(i)
+        """Reduce-scatter every segment of ``unit``: one checked collective."""
+        if self._reduce_plan(unit):
+            self.check(Op.REDUCE, unit.index)
+            for i in unit.seg_ids:
+                self.grads.reduce(i, checked=False)
+            self.check.issue_extras()
         unit.reduced = True
         if unit.segments:
             self.trace("reduce", unit)
 
     def _reduce_plan(self, unit: Unit) -> list[tuple[Op, int]]:
-        return [op for i in unit.seg_ids for op in self.grads.reduce_plan(i)]
+        if any(self.grads.reduce_plan(i) for i in unit.seg_ids):
+            return [(Op.REDUCE, unit.index)]
+        return []
 
     def _deferred_plan(self) -> list[tuple[Op, int]]:
         return [op for u in self._deferred for op in self._reduce_plan(u)]
 
-    def _flush_deferred(self) -> None:
+    def _flush_deferred(self, agreed: set[tuple[Op, int]]) -> None:
+        """Reduce the deferred units every rank agreed on; the others stay deferred."""
         deferred, self._deferred = self._deferred, []
         for unit in deferred:
-            self._reduce(unit)
+            if all(op in agreed for op in self._reduce_plan(unit)):
+                self._reduce(unit)
+            else:
+                self._deferred.append(unit)
+
+    # -- extras: collectives other ranks planned ([Note: merged plans] in order.py) -----------
+
+    def can(self, op: Op, index: int) -> bool:
+        if index >= len(self.units) or not self.units[index].segments:
+            return False
+        if op is Op.GATHER:
+            return True
+        unit = self.units[index]
+        # A reduce-scatter with zeros for a unit this rank will give no gradient in this
+        # backward: it is in its backward (the forward is over) and the unit was not used.
+        return (
+            op is Op.REDUCE
+            and self._backward_open
+            and self.grads.sync_enabled
+            and not unit.touched
+            and not unit.reduced
+            and unit.ready_grads == 0
+            and not unit.pending_post_backward
+        )
+
+    def planned(self, op: Op, index: int) -> None:
+        if op is Op.REDUCE:
+            self.units[index].reduced = True
+
+    def issue(self, op: Op, index: int) -> None:
+        unit = self.units[index]
+        if op is Op.GATHER:
+            self.gatherer.gather_extra(unit)
+        else:
+            for i in unit.seg_ids:
+                self.grads.reduce(i, checked=False)
+            self.trace("reduce_extra", unit)
 
     # -- holding and releasing -----------------------------------------------------------------
 
@@ -315,6 +381,7 @@ class Schedule:
         if parent is None or not (parent.active or parent.kept or parent.scoped):
             return False
         unit.borrowed = True
+        unit.touched = True
         self._use(unit)
         self.trace("read", unit)
         return True
@@ -369,4 +436,5 @@ class Schedule:
             unit.ready_grads = 0
             unit.untracked = False
             unit.prefetched = False
+            unit.touched = False
             self.maybe_release(unit)

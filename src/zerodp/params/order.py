@@ -22,13 +22,35 @@ rank started since the last exchange (a training forward, a forward without grad
 ``generate``), so ranks doing different kinds of work over the same units are told apart with
 no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.check_unit_order=False`` skips
 the checks once a model is known to run the same units on every rank.
+
+[Note: merged plans]
+Ranks may run different units (top-1 MoE routing, a layer dropped on one rank, a branch taken on
+some ranks): every rank learns every plan at the exchange, so where plans differ they are
+merged instead of refused. A second small all-gather tells, per item of the union, whether each
+rank can take part: a rank that did not plan an all-gather joins it as an *extra* (into a
+scratch buffer freed as soon as it completes: at most one unit more than the bound, briefly); a
+rank that did not plan a reduce-scatter joins it with zeros only if it is in the same backward
+(``backwards`` column) and the unit was not used there since the last backward (``touched``), so
+no gradient can arrive later; else the reduce-scatter is left for later on the ranks that
+planned it (they keep the gradients; the end of backward reduces what is left, in unit order).
+The agreed items are issued in one order that contains every rank's plan as a subsequence
+(``_merge``, the same on every rank); extras are issued before the next own collective or right
+after the last (``issue_extras``). A rank that cannot go on until its items are agreed (the end
+of backward, the step, a buffer broadcast, a checkpoint) exchanges again while the others run:
+their exchanges pair with its repeats. Where nothing can be agreed and every rank waits (one
+more backward on one rank than on another), or two ranks order the same gathers differently,
+every rank raises the divergence error. Markers that differ only by a rank not starting
+anything wait for the next exchange. Cost: an all-gather or reduce-scatter of each unit run
+anywhere, on every rank, plus one control all-gather per differing exchange.
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import deque
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -76,8 +98,39 @@ _INFERENCE_HINT = (
 )
 
 
+class Extras(Protocol):
+    """What the schedule does for collectives other ranks planned and this rank did not
+    ([Note: merged plans])."""
+
+    def can(self, op: Op, index: int) -> bool:
+        """Whether this rank can issue ``op`` on ``index`` as an extra now."""
+        ...
+
+    def planned(self, op: Op, index: int) -> None:
+        """It will (the state changes now: a unit reduced as an extra is reduced)."""
+        ...
+
+    def issue(self, op: Op, index: int) -> None:
+        """Issue it (in the merged order)."""
+        ...
+
+
+class _GathersOnly:
+    def can(self, op: Op, index: int) -> bool:
+        return False
+
+    def planned(self, op: Op, index: int) -> None:
+        raise AssertionError("no extras without a schedule")
+
+    def issue(self, op: Op, index: int) -> None:
+        raise AssertionError("no extras without a schedule")
+
+
+_HEAD = 6  # error, marker, position, blocked, backwards, plan length
+
+
 class OrderCheck:
-    """Agreement of all ranks on the next stage-3 collective (see module docstring)."""
+    """Agreement of all ranks on the next stage-3 collectives (see module docstring)."""
 
     def __init__(
         self, comm: Communicator, labels: list[str], enabled: bool, device: torch.device
@@ -88,22 +141,49 @@ class OrderCheck:
         self.enabled = enabled and comm.world_size > 1
         self.error = ""  # a local problem every rank must learn about (raised at the next check)
         self.calls = 0  # exchanges so far
-        self._approved: deque[tuple[Op, int]] = deque()  # agreed, not issued yet
+        self.merges = 0  # exchanges whose plans differed and were merged
+        self._extras: Callable[[], Extras | None] = lambda: None
+        self.backwards = 0  # backward passes begun (set by the schedule)
+        # Agreed and not issued yet, in the merged order: (op, index, this rank's own?).
+        self._sequence: deque[tuple[Op, int, bool]] = deque()
         self._marker = Op.NOTHING  # sent with the next exchange
         self._positions: list[int] = []  # every rank's step position at the last exchange
 
+    @property
+    def extras(self) -> Extras:
+        return self._extras() or _GathersOnly()
+
+    @extras.setter
+    def extras(self, extras: Extras) -> None:
+        # A weak reference: the schedule owns the check, and nothing of it may be reachable
+        # through the model but by its hooks (``copy.deepcopy`` of a model must meet a
+        # parameter first, [Note: safe reads] in access.py).
+        self._extras = weakref.ref(extras)
+
     def __call__(self, op: Op, index: int = -1) -> None:
         """Agree with every rank that the next collective is ``op`` on ``index``: consumes the
-        approval ``approve`` gave it, or exchanges a plan of one."""
-        if not self._approved:
-            self.approve([(op, index)])
-            if not self._approved:  # checks disabled
-                return
-        expected = self._approved.popleft()
-        if expected != (op, index):  # the schedule must issue exactly what it planned
+        approval ``approve`` gave it, or agrees on a plan of one (exchanging until every rank
+        can issue it)."""
+        if not self.enabled:
+            self._raise_local()
+            return
+        self.issue_extras()
+        if not self._sequence:
+            while not self.approve([(op, index)], blocked=True)[0]:
+                pass
+            self.issue_extras()
+        expected = self._sequence.popleft()
+        if expected != (op, index, True):  # the schedule must issue exactly what it planned
             raise RuntimeError(
                 f"zerodp internal error: planned {expected}, about to issue {(op, index)}"
             )
+
+    def issue_extras(self) -> None:
+        """Issue the agreed extras that come before this rank's next own collective (all of
+        them if none is left): called before and after every own collective."""
+        while self._sequence and not self._sequence[0][2]:
+            op, index, _ = self._sequence.popleft()
+            self.extras.issue(op, index)
 
     def mark(self, marker: Op) -> None:
         """Agree on what this rank starts (a training forward, an inference forward,
@@ -112,50 +192,115 @@ class OrderCheck:
         if self.enabled:
             self._marker = marker
 
-    def approve(self, plan: list[tuple[Op, int]]) -> None:
+    def approve(self, plan: list[tuple[Op, int]], blocked: bool = False) -> list[bool]:
         """Agree with every rank on the next collectives, in order (see the module
-        docstring); the matching calls then need no exchange."""
+        docstring); the matching calls then need no exchange. Returns, per item of ``plan``,
+        whether it was agreed: an item is left out only where some rank cannot issue it now
+        ([Note: merged plans]), then the caller issues it later (a deferred reduce-scatter) or
+        calls again (``blocked``: the caller cannot go on before it is agreed)."""
         if not self.enabled:
-            if self.error:
-                error, self.error = self.error, ""
-                raise RuntimeError(error)
-            return
-        for start in range(0, len(plan), PLAN_SLOTS):
-            part = plan[start : start + PLAN_SLOTS]
-            self._exchange(part)
-            self._approved.extend(part)
-
-    def _exchange(self, part: list[tuple[Op, int]]) -> None:
-        slots = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
-        flags = [int(bool(self.error)), int(self._marker), _position(self.comm)]
-        flags += [v for op, i in slots for v in (int(op), i)]
-        self._marker = Op.NOTHING
-        mine = torch.tensor(flags, dtype=torch.int64, device=self.device)
-        everyone = self.comm.all_gather_control(mine).tolist()
+            self._raise_local()
+            return [True] * len(plan)
+        if not plan:
+            return []
+        self.issue_extras()
+        if self._sequence:
+            raise RuntimeError(f"zerodp internal error: {list(self._sequence)} not issued")
+        plans, head = self._exchange(plan, blocked)
+        if all(p == plan for p in plans):
+            if len({row[1] for row in head}) > 1:  # same plan, different kinds of work
+                self._diverged([(Op(row[1]), -1) for row in head])
+            self._marker = Op.NOTHING
+            self._sequence.extend((op, i, True) for op, i in plan)
+            return [True] * len(plan)
+        # Markers: the ranks are not at the same point; a marker no rank contradicts waits.
+        if len({row[1] for row in head}) == 1:
+            self._marker = Op.NOTHING
+        union = sorted({c for p in plans for c in p})
+        same_pass = len({row[4] for row in head}) == 1
+        bits = [int(c in plan or self._can_extra(c, same_pass)) for c in union]
+        everyone = self.comm.all_gather_control(
+            torch.tensor(bits, dtype=torch.int64, device=self.device)
+        ).reshape(len(head), len(union))
         self.calls += 1
-        flagged = [r for r, row in enumerate(everyone) if row[0]]
+        self.merges += 1
+        agreed = {c for k, c in enumerate(union) if bool(everyone[:, k].all())}
+        if not agreed and all(row[3] for row in head):  # nobody can go on
+            self._diverged(_first_difference(plans))
+        while True:
+            lists = [[c for c in p if c in agreed] for p in plans]
+            order = _merge(lists)
+            if order is not None:
+                break
+            # Two ranks order the same collectives differently (a rank at the end of its
+            # backward reduces in unit order, another in the order its hooks ran): leave a
+            # reduce-scatter for later, never a gather (a rank needs its gathers now).
+            late = next((q[0] for q in lists if q and q[0][0] is Op.REDUCE), None)
+            if late is None:
+                self._diverged(_first_difference(plans))
+            agreed.discard(late)
+        for op, i in order:
+            own = (op, i) in plan
+            if not own:
+                self.extras.planned(op, i)
+            self._sequence.append((op, i, own))
+        return [c in agreed for c in plan]
+
+    def _can_extra(self, item: tuple[Op, int], same_pass: bool) -> bool:
+        op, index = item
+        if op is Op.GATHER or (op is Op.REDUCE and same_pass):
+            return self.extras.can(op, index)
+        return False
+
+    def _raise_local(self) -> None:
+        if self.error:
+            error, self.error = self.error, ""
+            raise RuntimeError(error)
+
+    def _exchange(
+        self, plan: list[tuple[Op, int]], blocked: bool
+    ) -> tuple[list[list[tuple[Op, int]]], list[list[int]]]:
+        """Every rank's plan and head row (error, marker, position, blocked, backwards,
+        length): one all-gather of ``PLAN_SLOTS`` items, and more only where a plan is
+        longer (every rank learns the longest length from the first)."""
+        flags = [int(bool(self.error)), int(self._marker), _position(self.comm), int(blocked)]
+        flags += [self.backwards, len(plan)]
+        rows: list[list[int]] = []
+        sent = 0
+        while True:
+            part = plan[sent : sent + PLAN_SLOTS]
+            part = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
+            row = (flags if sent == 0 else []) + [v for op, i in part for v in (int(op), i)]
+            mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+            got = self.comm.all_gather_control(mine).reshape(-1, len(row)).tolist()
+            self.calls += 1
+            if sent == 0:
+                rows = got
+                self._check_head(rows)
+            else:
+                rows = [a + b for a, b in zip(rows, got, strict=True)]
+            sent += PLAN_SLOTS
+            if sent >= max(row[5] for row in rows):
+                break
+        plans = [[(Op(r[k]), r[k + 1]) for k in range(_HEAD, _HEAD + 2 * r[5], 2)] for r in rows]
+        return plans, [r[:_HEAD] for r in rows]
+
+    def _check_head(self, rows: list[list[int]]) -> None:
+        flagged = [r for r, row in enumerate(rows) if row[0]]
         if flagged:
             error, self.error = self.error, ""
             raise RuntimeError(
                 f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
             )
-        self._positions = [row[2] for row in everyone]
-        # Column 1 is the marker, column 2 the step position, then (op, index) per slot. Where
-        # every rank starts some work and the kinds differ (one evaluates while another
-        # trains), that is the story; else the collectives say best where ranks diverge, and a
-        # marker differing alone comes last.
-        markers = [(Op(row[1]), -1) for row in everyone]
-        if Op.NOTHING not in {m for m, _ in markers} and len(set(markers)) > 1:
-            self._diverged(markers)
-        for col in range(3, 3 + 2 * PLAN_SLOTS, 2):
-            seen = [(Op(row[col]), row[col + 1]) for row in everyone]
-            if any(s != seen[0] for s in seen):
-                self._diverged(seen)
-        if len(set(markers)) > 1:
-            self._diverged(markers)
+        self._positions = [row[2] for row in rows]
+        # Where every rank starts some work and the kinds differ (one evaluates while another
+        # trains), that is the story.
+        markers = [Op(row[1]) for row in rows]
+        if Op.NOTHING not in markers and len(set(markers)) > 1:
+            self._diverged([(m, -1) for m in markers])
 
     def _diverged(self, seen: list[tuple[Op, int]]) -> NoReturn:
-        self._approved.clear()
+        self._sequence.clear()
         doing = "; ".join(f"rank {r} {self._describe(o, i)}" for r, (o, i) in enumerate(seen))
         if any(o in (Op.INFER, Op.GENERATE) for o, _ in seen):
             advice = (
@@ -164,9 +309,10 @@ class OrderCheck:
             )
         else:
             advice = (
-                "Every rank must run the same units in the same order in each step (a unit "
-                "that runs on some ranks only is not supported: put its parameters in an "
-                "enclosing unit via ZeroConfig.unit_classes or unit_policy)"
+                "Every rank must run the same backwards and steps; units that run on some "
+                "ranks only are merged, but not the same units in different orders (put "
+                "their parameters in an enclosing unit via ZeroConfig.unit_classes or "
+                "unit_policy)"
             )
         if len(set(self._positions)) > 1:  # the usual cause: say it first
             where = ", ".join(
@@ -196,3 +342,33 @@ def _position(comm: Communicator) -> int:
 def _describe_position(value: int) -> str:
     step, inside = divmod(value, 2)
     return f"in step {step + 1}" if inside else f"after step {step}"
+
+
+def _first_difference(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]]:
+    """Per rank, its item at the first position where the plans differ."""
+    width = max(len(p) for p in plans)
+    padded = [p + [(Op.NOTHING, -1)] * (width - len(p)) for p in plans]
+    for k in range(width):
+        seen = [p[k] for p in padded]
+        if any(s != seen[0] for s in seen):
+            return seen
+    return [p[0] for p in padded]
+
+
+def _merge(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]] | None:
+    """One order containing every plan as a subsequence (the same on every rank: ranks take
+    their heads in rank order), or None where two plans order two items differently."""
+    left = [list(p) for p in plans]
+    out: list[tuple[Op, int]] = []
+    while any(left):
+        for p in left:
+            if p and all(not q or q[0] == p[0] or p[0] not in q for q in left):
+                head = p[0]
+                out.append(head)
+                for q in left:
+                    if q and q[0] == head:
+                        q.pop(0)
+                break
+        else:
+            return None
+    return out

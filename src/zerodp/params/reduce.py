@@ -91,16 +91,21 @@ class ShardedGrads:
             return []
         return [(Op.REDUCE, self.check_ids[seg_id])]
 
-    def reduce(self, seg_id: int) -> None:
+    def reduce(self, seg_id: int, checked: bool = True) -> None:
+        """Reduce-scatter segment ``seg_id``'s gradients (zeros for parameters without one);
+        ``checked=False``: the caller agreed on it (a unit's segments, under one check)."""
         seg = self.segments[seg_id]
         if not seg.layout.buckets:
             return
-        self.check(Op.REDUCE, self.check_ids[seg_id])
+        if checked:
+            self.check(Op.REDUCE, self.check_ids[seg_id])
         left = {s.index: s.flat.numel for s in seg.layout.slots}  # elements not staged yet
         for b, offset, numel in self._chunks[seg_id]:
             self._launch(seg_id, b, offset, numel, left)
         for b in range(len(seg.layout.buckets)):
             self._has_data[seg_id][b] = True
+        if checked:
+            self.check.issue_extras()
 
     def end_round(self) -> None:
         self.rounds += 1

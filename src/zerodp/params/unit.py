@@ -40,6 +40,9 @@ class Unit:
     borrowed: bool = False  # an attached unit read on demand: held as long as the root is kept
     hooked: bool = False  # its forward ran in this pass with outputs that backward will reach
     ready_grads: int = 0  # parameters whose gradient was accumulated in this backward
+    # Its forward ran, or a parameter of it was read, since the last backward ended: it may get
+    # a gradient in this backward ([Note: merged plans] in order.py).
+    touched: bool = False
     pinned: int = 0  # full_parameters / state_dict / load_state_dict
     scoped: int = 0  # the root, while model.generate runs ([Note: inference] in hooks.py)
     # Per backward: post-backward callbacks still expected (one per forward call whose inputs
@@ -132,6 +135,20 @@ class Gatherer:
         self.gathered_bytes += unit.full_nbytes
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
         self.trace("gather", unit)
+        if unit.segments:
+            self.check.issue_extras()
+
+    def gather_extra(self, unit: Unit) -> None:
+        """Take part in an all-gather of ``unit`` that other ranks need and this rank does not
+        ([Note: merged plans] in order.py): into a scratch buffer, freed once it completes."""
+        for seg in unit.segments:
+            scratch = seg.shard.new_empty(seg.layout.padded_numel)
+            self.gathered_bytes += seg.full_nbytes
+            self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
+            self.comm.all_gather(scratch, seg.shard, async_op=True).wait()
+            self.gathered_bytes -= seg.full_nbytes
+            del scratch
+        self.trace("gather_extra", unit)
 
     def wait(self, unit: Unit) -> None:
         """GATHERING -> GATHERED: the parameters become their full views."""
