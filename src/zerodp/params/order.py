@@ -213,6 +213,8 @@ class OrderCheck:
             self._marker = Op.NOTHING
             self._sequence.extend((op, i, True) for op, i in plan)
             return [True] * len(plan)
+        if len(set(self._positions)) > 1:  # ranks at different steps: never merged
+            self._diverged(_first_difference(plans))
         # Markers: the ranks are not at the same point; a marker no rank contradicts waits.
         if len({row[1] for row in head}) == 1:
             self._marker = Op.NOTHING
