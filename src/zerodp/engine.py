@@ -8,10 +8,10 @@ resolved ``Plan``, and runs the step's schedule:
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
 
-Over the ~400-line budget (437): adopting parameters unfrozen after ``initialize`` ([Note:
-unfreezing]) rebuilds the same components construction builds, so it lives beside it; the
-engine restructure (one engine over pluggable parameter/gradient sync) splits construction and
-re-planning from the step.
+Over the ~400-line budget (483): adopting parameters unfrozen after ``initialize`` ([Note:
+unfreezing]) rebuilds the same components construction builds, so it lives beside it, and the
+step wires in the misuse checks (``optim/misuse.py``); the engine restructure (one engine over
+pluggable parameter/gradient sync) splits construction and re-planning from the step.
 """
 
 from __future__ import annotations
@@ -26,10 +26,17 @@ from torch import nn
 from zerodp.comm import CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
-from zerodp.optim.agreement import KeptGrads, agree_on_step, check_unfrozen
+from zerodp.optim import misuse
+from zerodp.optim.agreement import (
+    KeptGrads,
+    StepFlags,
+    agree_on_step,
+    check_unfrozen,
+)
 from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
+from zerodp.optim.finite import FiniteCheck
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
@@ -71,6 +78,7 @@ class ZeroEngine:
     scaler: DynamicLossScaler | None  # fp16 only
     steps: int  # optimizer steps attempted (skipped ones included)
     skipped_steps: int
+    steps_without_backward: int  # step() calls with no gradient produced since the last step
     last_step: StepInfo | None
 
     def __init__(
@@ -143,9 +151,15 @@ class ZeroEngine:
             self._hooks.append(model.register_forward_pre_hook(refuse_compile, prepend=True))
         self.steps = 0
         self.skipped_steps = 0
+        self.steps_without_backward = 0
         self.last_step = None
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
         self._skip = False  # the current step's gradients are not finite somewhere
+        self._flags = StepFlags()  # the agreed flags of the current step
+        self._seen_at_step = 0  # reducer.grads_seen at the end of the last step
+        self._losses = misuse.LossCheck()
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.finite = FiniteCheck(device) if plan.check_finite and not plan.mixed else None
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self.kept_grads = KeptGrads(self.segments)
         self._grad_norm: float | None = None
@@ -248,11 +262,13 @@ class ZeroEngine:
         self.frozen = [(n, p) for n, p in self.frozen if not p.requires_grad]
         new = self._build_segments(unfrozen, first=len(self.segments))
         self.segments += new  # in place: the masters' (and stage 3's manager's) list too
+        seen = self.reducer.grads_seen
         if self.params is None:
             self.reducer.remove_hooks()
             self.reducer = self._grad_reducer()
         else:  # [stage 3] persistent segments
             self.reducer = self.params.adopt([s.index for s in new], self._reduce_dtype)
+        self.reducer.grads_seen = seen
         self.masters.add(new)
         self.param_gather.add(new)
         self.kept_grads.add(new)
@@ -294,10 +310,13 @@ class ZeroEngine:
         )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, multiplied by the loss scale under fp16."""
+        """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
+        checked too, ``ZeroConfig.nonfinite``; a device flag, no synchronisation)."""
         self._scaled_backward = True
         if self.scaler is not None:
             loss = loss * self.scaler.scale
+        elif self.plan.check_finite:
+            self._losses.add(loss)
         loss.backward()
 
     def finish_gradients(self) -> None:
@@ -305,26 +324,40 @@ class ZeroEngine:
         unscaled) and agree across ranks on which parameters got a gradient and whether every
         gradient is finite. Idempotent until the step."""
         if self._grads_final:
+            self._check_nonfinite()
             return
-        if self.scaler is not None and not self._scaled_backward:
+        self.reducer.finish()
+        backward = self.reducer.grads_seen != self._seen_at_step  # this rank, since the step
+        if self.scaler is not None and backward and not self._scaled_backward:
             raise RuntimeError(
                 "precision='fp16' scales the loss: call opt.backward(loss) instead of "
                 "loss.backward() (the only change fp16 needs in the training loop)"
             )
-        self.reducer.finish()
         if isinstance(self.reducer, GradReducer):
             self.reducer.adopt_recorded_order()  # once ([Note: launch order])
         nonfinite = False
         if self.chunked is not None and self.plan.check_finite:
             nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())
+        elif self.finite is not None:
+            nonfinite = self.finite.nonfinite(self.reducer, self.segments, self.comm.rank)
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
-        used, self._skip = agree_on_step(self.comm, has_grad, self.segments, self.frozen, nonfinite)
-        self._used = used
+        mine = StepFlags(nonfinite, self._losses.nonfinite(), backward)
+        used, flags = agree_on_step(self.comm, has_grad, self.segments, self.frozen, mine)
+        self._used, self._flags = used, flags
+        self._skip = flags.nonfinite_grads or (self.scaler is None and flags.nonfinite_loss)
         if self.chunked is None:  # fp32: the optimizer steps views of the reduced gradients
             for op in self.pieces:
                 op.tensor.grad = op.grad if used[op.seg][op.slot] else None
         self._grads_final = True
+        self._check_nonfinite()
+
+    def _check_nonfinite(self) -> None:
+        """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
+        clip until ``zero_grad``."""
+        if self._skip and self.scaler is None and self.config.nonfinite == "raise":
+            what = misuse.nonfinite_what(self._flags, loss_scaling=False)
+            raise misuse.nonfinite_error(self.steps + 1, what)
 
     def _inv_scale(self) -> float:
         return 1.0 / self.scaler.scale if self.scaler else 1.0
@@ -336,11 +369,18 @@ class ZeroEngine:
                 loss = closure()
         self.finish_gradients()
         self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
+        without_backward = not self._flags.backward
+        if without_backward:
+            self.steps_without_backward += 1
+            policy = self.config.step_without_backward
+            if policy == "raise":
+                self._end_step()  # nothing changed; a backward then step() goes on normally
+            misuse.without_backward(policy, self.steps + 1, self.steps_without_backward)
         scale = self.scaler.scale if self.scaler else None
         self.steps += 1
         if self._skip:
             self.skipped_steps += 1
-            reason = "non-finite gradients"
+            reason = f"non-finite {misuse.nonfinite_what(self._flags, self.scaler is not None)}"
             log.warning(
                 "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
                 self.steps,
@@ -357,7 +397,9 @@ class ZeroEngine:
             self.publish_params()
         if self.scaler is not None:
             self.scaler.update(finite=not self._skip)
-        self.last_step = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm)
+        info = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm, without_backward)
+        self.last_step = info
+        self._seen_at_step = self.reducer.grads_seen
         self._end_step()
         self.comm.ledger.end_step()
         return loss
@@ -367,8 +409,10 @@ class ZeroEngine:
             self.chunked.reset()
         self._grads_final = False
         self._skip = False
+        self._flags = StepFlags()
         self._grad_norm = None
         self._scaled_backward = False
+        self._losses.reset()
 
     def publish_params(self) -> None:
         """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
@@ -395,6 +439,8 @@ class ZeroEngine:
         if self.chunked is not None:
             self.chunked.reset()
         self._grads_final = False
+        self._skip = False
+        self._losses.reset()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.finish_gradients()

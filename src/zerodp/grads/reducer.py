@@ -28,6 +28,7 @@ Three modes, one per way of holding gradients:
     No full gradient buffer. At launch the bucket's gradients are copied into one of a fixed
     pool of staging buffers (then ``param.grad`` is freed), reduce-scattered into the owned
     gradient shard, divided by N and accumulated there.
+
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class GradReducer:
         self._rounds = 0  # reduction rounds launched since the last finish()
         self._averaged = False  # finish() ran and zero_grad() has not
         self._hooks: list[Any] = []
+        self.grads_seen = 0  # gradients produced (hook calls), ever: "did a backward run"
         self._reset_backward()
         if not staged:
             self.bind_grad_views()
@@ -174,6 +176,7 @@ class GradReducer:
 
     def _on_grad_ready(self, seg: int, slot: int, param: torch.Tensor) -> None:
         first_of_backward = not self._callback_queued
+        self.grads_seen += 1
         in_place = self.mode is ReduceMode.SCATTER_IN_PLACE
         if first_of_backward and in_place and self.sync_enabled and self._rounds:
             raise RuntimeError(

@@ -71,8 +71,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped so far because some rank had non-finite gradients."""
+        """Steps skipped so far because some rank had non-finite gradients (fp16; fp32 and bf16
+        with ``ZeroConfig(nonfinite='skip')``: or a non-finite loss)."""
         return self._engine.skipped_steps
+
+    @property
+    def steps_without_backward(self) -> int:
+        """``step()`` calls that found no gradient produced since the previous step on any rank
+        (``ZeroConfig.step_without_backward``)."""
+        return self._engine.steps_without_backward
 
     @property
     def loss_scale(self) -> float | None:

@@ -1,0 +1,421 @@
+"""Misuse that must never be silently wrong (issue 13), world size 2, gloo, against unsharded
+training or against the correct use, with exact messages and counts:
+
+1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.nonfinite``, default "raise");
+2. ``opt.step()`` with no backward since the last step (``ZeroConfig.step_without_backward``,
+   default "warn").
+
+Models: ``zerotest.MLP`` and the tiny Hugging Face GPT-2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import build as build_hf
+from hf_models import global_batches, hf_loss
+from torch import nn
+from zerotest import (
+    MLP,
+    adamw_two_groups,
+    batches,
+    build,
+    full,
+    make_pair,
+    max_rel_error,
+    mse,
+    rank_world,
+    reference_step,
+)
+
+import zerodp
+from zerodp.models.gpt import GPT, get_config
+
+STAGES = [0, 1, 2, 3]
+TIMEOUT = 240.0
+# fp32 parity with the unsharded reference: MLP as in test_stages.py (max relative error);
+# transformers as in test_hf_models.py (AdamW, relative to max(norm, 0.01 * sqrt(numel))).
+TOL = {"mlp": 1e-6, "gpt": 1e-5, "gpt2": 1e-5}
+GPT_CONFIG = get_config("tiny", vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+UNITS = {"mlp": ("Linear",), "gpt": ("Block",), "gpt2": ("GPT2Block",)}
+
+
+def _cfg(model_name: str, stage: int, **kw: object) -> zerodp.ZeroConfig:
+    # Small buckets cut parameters across buckets; stage 3: a unit per layer.
+    if stage == 3:
+        kw.setdefault("unit_classes", UNITS[model_name])
+    bucket = 96 if model_name == "mlp" else 4096
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket, **kw)  # type: ignore[arg-type]
+
+
+def _factory(model_name: str) -> Callable[[], nn.Module]:
+    if model_name == "gpt":
+        return lambda: GPT(GPT_CONFIG)
+    if model_name == "gpt2":
+        return lambda: build_hf("gpt2")
+    return MLP
+
+
+def _optimizer(model_name: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    if model_name == "mlp":
+        return adamw_two_groups
+    from test_hf_models import OPTIMIZERS
+
+    return OPTIMIZERS["adamw"]
+
+
+def _losses(model_name: str, seed: int, world: int) -> Callable[[nn.Module, int], torch.Tensor]:
+    """Rank r's loss of step ``seed`` (one global batch split by rank)."""
+    if model_name == "gpt2":
+        return hf_loss(global_batches("gpt2", seed, world))
+    if model_name == "gpt":
+        g = torch.Generator().manual_seed(500 + seed)
+        tokens = torch.randint(0, GPT_CONFIG.vocab_size, (2 * world, 9), generator=g)
+
+        def loss(m: nn.Module, r: int) -> torch.Tensor:
+            x = tokens[2 * r : 2 * r + 2]
+            return m(x[:, :-1], x[:, 1:])[1]
+
+        return loss
+    return mse(batches(seed, world, 3, [(7,), (5,)]))
+
+
+def _error(model_name: str, model: nn.Module, ref: nn.Module) -> float:
+    if model_name == "mlp":
+        return max_rel_error(model, ref)
+    from test_hf_models import max_error
+
+    return max_error(model, ref)
+
+
+def _check(model_name: str, model: nn.Module, ref: nn.Module, what: str) -> float:
+    err = _error(model_name, model, ref)
+    assert err <= TOL[model_name], f"{what}: error {err:.3e} > {TOL[model_name]:.0e}"
+    return err
+
+
+@contextlib.contextmanager
+def zerodp_log() -> Iterator[list[str]]:
+    """The messages logged by zerodp (logger ``zerodp``) inside the block."""
+    messages: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Handler(logging.WARNING)
+    logger = logging.getLogger("zerodp")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    with full(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    after = _snapshot(model)
+    return all(torch.equal(after[n], t) for n, t in before.items())
+
+
+# -- 1. non-finite loss or gradients ------------------------------------------------------------
+
+BAD = 2  # the step at which rank 1's loss is infinite
+RAISE_MSG = (
+    "zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
+    "(ZeroConfig.nonfinite='raise'). The run diverged or a batch is bad: lower the learning "
+    "rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or set "
+    "ZeroConfig(nonfinite='skip') to skip such steps on every rank"
+)
+SKIP_MSG = "zerodp: step {step} skipped ({reason} on at least one rank); {n} skipped so far"
+
+
+def case_nonfinite_skip(stage: int, model_name: str) -> dict:
+    """``nonfinite='skip'``: rank 1's loss is inf at step BAD; the reference skips that step
+    (no update, no Adam step count), parity after every step. ``via``: ``loss.backward()`` (the
+    engine sees only the gradients) or ``opt.backward(loss)`` (it sees the loss too)."""
+    rank, world = rank_world()
+    out = {}
+    for via in ("loss", "opt"):
+        cfg = _cfg(model_name, stage, nonfinite="skip")
+        pair = make_pair(_factory(model_name), _optimizer(model_name), cfg)
+        seen = []
+        with zerodp_log() as logs:
+            for step in range(4):
+                losses = _losses(model_name, step, world)
+                if step != BAD:
+                    reference_step(pair, losses, world)
+                loss = losses(pair.model, rank)
+                if step == BAD and rank == 1:
+                    loss = loss * float("inf")
+                if via == "opt":
+                    pair.opt.backward(loss)
+                else:
+                    loss.backward()
+                pair.opt.step()
+                pair.opt.zero_grad()
+                info = pair.opt.last_step
+                assert info is not None
+                seen.append((info.step, info.skipped, info.reason))
+                _check(model_name, pair.model, pair.ref, f"{via} stage {stage} step {step}")
+        out[via] = {"steps": seen, "skipped": pair.opt.skipped_steps, "logs": logs}
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_nonfinite_skip(world, stage, model_name):
+    """fp32 used to step NaN into every replica (skipped=False); 'skip' skips the step on every
+    rank, as a reference that never took it."""
+    for out in world(2).run(case_nonfinite_skip, stage, model_name, timeout=TIMEOUT):
+        for via, reason in (
+            ("loss", "non-finite gradients"),
+            ("opt", "non-finite loss and gradients"),
+        ):
+            want = [(1, False, None), (2, False, None), (3, True, reason), (4, False, None)]
+            assert out[via]["steps"] == want, (via, out[via])
+            assert out[via]["skipped"] == 1, (via, out[via])
+            assert out[via]["logs"] == [SKIP_MSG.format(step=3, reason=reason, n=1)], out[via]
+
+
+def case_single_element(stage: int) -> list:
+    """One gradient element made inf on one rank (before the reduction), for the first and the
+    last element of every parameter, alternating ranks: each rank checks only the reduced
+    gradient it owns, so together the owned slices must cover every element."""
+    rank, world = rank_world()
+    model, opt = _init(_cfg("mlp", stage, nonfinite="skip"))
+    before = _snapshot(model)
+    seen = []
+    for k, (name, p) in enumerate(model.named_parameters()):
+        for index in (0, p.numel() - 1):
+
+            def poison(g: torch.Tensor, index: int = index) -> torch.Tensor:
+                g = g.clone()
+                g.view(-1)[index] = float("inf")
+                return g
+
+            handle = p.register_hook(poison) if rank == k % world else None
+            mse(batches(k, world, 3, [(7,), (5,)]))(model, rank).backward()
+            opt.step()
+            opt.zero_grad()
+            if handle is not None:
+                handle.remove()
+            info = opt.last_step
+            assert info is not None
+            seen.append((name, index, info.skipped))
+    assert _unchanged(model, before), "a parameter changed in a skipped step"
+    return seen
+
+
+def test_nonfinite_single_element(world):
+    for stage in STAGES:
+        for seen in world(2).run(case_single_element, stage, timeout=TIMEOUT):
+            assert len(seen) == 8 and all(skipped for *_, skipped in seen), (stage, seen)
+
+
+def case_nonfinite_raise(stage: int, model_name: str) -> dict:
+    """The default ('raise'): rank 1's loss is NaN at step 1. Every rank raises, again at a
+    second ``step()``, nothing is updated; after ``zero_grad`` training goes on like a reference
+    that skipped the batch."""
+    rank, world = rank_world()
+    pair = make_pair(_factory(model_name), _optimizer(model_name), _cfg(model_name, stage))
+    errors = []
+    for step in range(3):
+        losses = _losses(model_name, step, world)
+        loss = losses(pair.model, rank)
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")
+        if step != 1:
+            reference_step(pair, losses, world)
+        before = _snapshot(pair.model)
+        loss.backward()
+        for _ in range(2 if step == 1 else 1):
+            try:
+                pair.opt.step()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+                assert _unchanged(pair.model, before), "a parameter changed in a raising step"
+        pair.opt.zero_grad()
+        _check(model_name, pair.model, pair.ref, f"stage {stage} step {step}")
+    info = pair.opt.last_step
+    assert info is not None
+    return {"errors": errors, "steps": info.step, "skipped": pair.opt.skipped_steps}
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_nonfinite_raises_by_default(world, stage, model_name):
+    assert zerodp.ZeroConfig().nonfinite == "raise"
+    want = RAISE_MSG.format(step=2, what="gradients")
+    for out in world(2).run(case_nonfinite_raise, stage, model_name, timeout=TIMEOUT):
+        # The raising call is not a step: the next step is step 2 again.
+        assert out == {"errors": [want, want], "steps": 2, "skipped": 0}, out
+
+
+def case_nonfinite_bf16_and_ignore(stage: int) -> dict:
+    """bf16 under each policy (the loss given to opt.backward is inf on rank 0), and fp32
+    'ignore' (today's torch behaviour: NaN reaches the weights)."""
+    rank, world = rank_world()
+    out: dict = {}
+    for precision, policy in (
+        ("bf16", "raise"),
+        ("bf16", "skip"),
+        ("bf16", "ignore"),
+        ("fp32", "ignore"),
+    ):
+        cfg = _cfg("mlp", stage, precision=precision, nonfinite=policy)
+        model, opt = _init(cfg)
+        x, y = batches(0, world, 3, [(7,), (5,)])[rank]
+        loss = F.mse_loss(model(x).float(), y) * (float("inf") if rank == 0 else 1.0)
+        before = _snapshot(model)
+        opt.backward(loss)
+        try:
+            opt.step()
+            info = opt.last_step
+            assert info is not None
+            result = (info.skipped, info.reason, opt.skipped_steps, _unchanged(model, before))
+        except RuntimeError as exc:
+            result = (str(exc), _unchanged(model, before))
+        with full(model):
+            finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        out[f"{precision} {policy}"] = (*result, finite)
+    return out
+
+
+def _init(cfg: zerodp.ZeroConfig) -> tuple[nn.Module, zerodp.ZeroOptimizer]:
+    model = build(MLP)
+    return zerodp.initialize(model, adamw_two_groups(list(model.parameters())), cfg)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_nonfinite_bf16_and_ignore(world, stage):
+    for out in world(2).run(case_nonfinite_bf16_and_ignore, stage, timeout=TIMEOUT):
+        assert out == {
+            "bf16 raise": (RAISE_MSG.format(step=1, what="loss and gradients"), True, True),
+            "bf16 skip": (True, "non-finite loss and gradients", 1, True, True),
+            "bf16 ignore": (False, None, 0, False, False),
+            "fp32 ignore": (False, None, 0, False, False),
+        }, out
+
+
+# -- 2. opt.step() with no backward since the last step -----------------------------------------
+
+NO_BACKWARD_WARN = (
+    "zerodp: step {step}: opt.step() with no backward since the last step on any rank (no "
+    "gradient was produced: loss.backward() missing, or step() called twice?); it steps the "
+    "gradients left since the last zero_grad, as torch does; {n} such step(s) so far "
+    "(ZeroConfig.step_without_backward='warn')"
+)
+NO_BACKWARD_RAISE = (
+    "zerodp: step {step}: opt.step() with no backward since the last step on any rank (no "
+    "gradient was produced): call loss.backward() (or opt.backward(loss)) before every "
+    "opt.step(), and step once per backward; nothing was updated "
+    "(ZeroConfig.step_without_backward='raise')"
+)
+
+
+def _try_step(opt: zerodp.ZeroOptimizer) -> str:
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+def case_step_without_backward(stage: int, model_name: str) -> dict:
+    """Per policy: a step after zero_grad with a forward but no backward (torch updates
+    nothing), a second step() on the same gradients (torch applies them again; 'raise'
+    refuses), and (stages 0-2) a step at which rank 1 runs no forward or backward at all while
+    rank 0 does: not a step without backward. Parity with torch after every step."""
+    rank, world = rank_world()
+    out = {}
+    for policy in ("warn", "raise", "ignore"):
+        cfg = _cfg(model_name, stage, step_without_backward=policy)
+        pair = make_pair(_factory(model_name), _optimizer(model_name), cfg)
+        model, opt, ref, ref_opt = pair.model, pair.opt, pair.ref, pair.ref_opt
+        calls, flags = [], []
+        with zerodp_log() as logs:
+            losses = _losses(model_name, 0, world)
+            reference_step(pair, losses, world)
+            losses(model, rank).backward()
+            calls.append(_try_step(opt))
+            opt.zero_grad()
+            flags.append(opt.last_step.without_backward)
+            # Forgotten backward: torch's step sees no gradient and updates nothing.
+            losses = _losses(model_name, 1, world)
+            losses(model, rank)
+            ref_opt.step()
+            calls.append(_try_step(opt))
+            flags.append(opt.last_step.without_backward)
+            _check(model_name, model, ref, f"{policy} forgotten backward")
+            opt.zero_grad()  # a loop's next iteration (stage 1 refuses a second reduction)
+            # step() twice on the same gradients.
+            losses = _losses(model_name, 2, world)
+            reference_step(pair, losses, world, step=False)
+            ref_opt.step()
+            losses(model, rank).backward()
+            calls.append(_try_step(opt))
+            if policy != "raise":
+                ref_opt.step()
+            calls.append(_try_step(opt))
+            flags.append(opt.last_step.without_backward)
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            _check(model_name, model, ref, f"{policy} step twice")
+            if stage != 3:  # stage 3: every rank runs every unit's collectives
+                losses = _losses(model_name, 3, world)
+                (losses(ref, 0) / world).backward()  # rank 1's batch is empty
+                ref_opt.step()
+                ref_opt.zero_grad()
+                if rank == 0:
+                    losses(model, rank).backward()
+                calls.append(_try_step(opt))
+                opt.zero_grad()
+                flags.append(opt.last_step.without_backward)
+                _check(model_name, model, ref, f"{policy} rank 1 without a batch")
+        out[policy] = {
+            "calls": calls,
+            "flags": flags,
+            "count": opt.steps_without_backward,
+            "logs": logs,
+        }
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_without_backward(world, stage, model_name):
+    assert zerodp.ZeroConfig().step_without_backward == "warn"
+    ok = ["ok"] * (4 if stage == 3 else 5)
+    last = [] if stage == 3 else [False]
+    for out in world(2).run(case_step_without_backward, stage, model_name, timeout=TIMEOUT):
+        warn = [NO_BACKWARD_WARN.format(step=2, n=1), NO_BACKWARD_WARN.format(step=4, n=2)]
+        assert out["warn"] == {
+            "calls": ok,
+            "flags": [False, True, True, *last],
+            "count": 2,
+            "logs": warn,
+        }, out["warn"]
+        # 'raise': the refused calls are no steps (step 2 is then the one after the backward).
+        raising = [NO_BACKWARD_RAISE.format(step=2), NO_BACKWARD_RAISE.format(step=3)]
+        assert out["raise"] == {
+            "calls": ["ok", raising[0], "ok", raising[1], *(["ok"] if stage != 3 else [])],
+            "flags": [False, False, False, *last],
+            "count": 2,
+            "logs": [],
+        }, out["raise"]
+        assert out["ignore"] == {
+            "calls": ok,
+            "flags": [False, True, True, *last],
+            "count": 2,
+            "logs": [],
+        }, out["ignore"]
