@@ -8,7 +8,7 @@ resolved ``Plan``, and runs the step's schedule:
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
 
-Over the ~400-line budget (483): adopting parameters unfrozen after ``initialize`` ([Note:
+Over the ~400-line budget (496): adopting parameters unfrozen after ``initialize`` ([Note:
 unfreezing]) rebuilds the same components construction builds, so it lives beside it, and the
 step wires in the misuse checks (``optim/misuse.py``); the engine restructure (one engine over
 pluggable parameter/gradient sync) splits construction and re-planning from the step.
@@ -158,6 +158,7 @@ class ZeroEngine:
         self._flags = StepFlags()  # the agreed flags of the current step
         self._seen_at_step = 0  # reducer.grads_seen at the end of the last step
         self._losses = misuse.LossCheck()
+        self._staleness = misuse.Staleness()
         device = self.segments[0].device if self.segments else torch.device("cpu")
         self.finite = FiniteCheck(device) if plan.check_finite and not plan.mixed else None
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
@@ -226,7 +227,15 @@ class ZeroEngine:
     def _grad_reducer(self) -> GradReducer:
         reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode, self._reduce_dtype)
         reducer.register_hooks()
+        reducer.on_replaced = self._on_grads_replaced
         return reducer
+
+    def _on_grads_replaced(self, replaced: list[list[bool]]) -> None:
+        """[Note: replaced gradients] in grads/reducer.py: a replaced ``.grad`` is kept no more;
+        every one replaced is a ``zero_grad``."""
+        self.kept_grads.forget(replaced)
+        if all(all(r) for r in replaced):
+            self._staleness.cleared()
 
     def _build_pieces(self) -> list[OptimPiece]:
         rank = self.comm.rank
@@ -376,6 +385,8 @@ class ZeroEngine:
             if policy == "raise":
                 self._end_step()  # nothing changed; a backward then step() goes on normally
             misuse.without_backward(policy, self.steps + 1, self.steps_without_backward)
+        else:
+            self._staleness.check(self.steps + 1)
         scale = self.scaler.scale if self.scaler else None
         self.steps += 1
         if self._skip:
@@ -400,6 +411,7 @@ class ZeroEngine:
         info = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm, without_backward)
         self.last_step = info
         self._seen_at_step = self.reducer.grads_seen
+        self._staleness.stepped(self._flags.backward)
         self._end_step()
         self.comm.ledger.end_step()
         return loss
@@ -441,6 +453,7 @@ class ZeroEngine:
         self._grads_final = False
         self._skip = False
         self._losses.reset()
+        self._staleness.cleared()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.finish_gradients()

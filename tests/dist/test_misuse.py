@@ -3,9 +3,10 @@ training or against the correct use, with exact messages and counts:
 
 1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.nonfinite``, default "raise");
 2. ``opt.step()`` with no backward since the last step (``ZeroConfig.step_without_backward``,
-   default "warn").
+   default "warn");
+3. ``model.zero_grad()`` (and ``p.grad = None`` loops) instead of ``opt.zero_grad()``.
 
-Models: ``zerotest.MLP`` and the tiny Hugging Face GPT-2.
+Models: ``zerotest.MLP`` (or ``Branchy``), zerodp's GPT, and the tiny Hugging Face GPT-2.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hf_models import global_batches, hf_loss
 from torch import nn
 from zerotest import (
     MLP,
+    Branchy,
     adamw_two_groups,
     batches,
     build,
@@ -42,14 +44,15 @@ TIMEOUT = 240.0
 # transformers as in test_hf_models.py (AdamW, relative to max(norm, 0.01 * sqrt(numel))).
 TOL = {"mlp": 1e-6, "gpt": 1e-5, "gpt2": 1e-5}
 GPT_CONFIG = get_config("tiny", vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
-UNITS = {"mlp": ("Linear",), "gpt": ("Block",), "gpt2": ("GPT2Block",)}
+# Branchy: one root unit (its `sometimes` layer is unused in some steps, inside a unit that runs).
+UNITS = {"mlp": ("Linear",), "branchy": ("Branchy",), "gpt": ("Block",), "gpt2": ("GPT2Block",)}
 
 
 def _cfg(model_name: str, stage: int, **kw: object) -> zerodp.ZeroConfig:
     # Small buckets cut parameters across buckets; stage 3: a unit per layer.
     if stage == 3:
         kw.setdefault("unit_classes", UNITS[model_name])
-    bucket = 96 if model_name == "mlp" else 4096
+    bucket = 96 if model_name in ("mlp", "branchy") else 4096
     return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket, **kw)  # type: ignore[arg-type]
 
 
@@ -58,11 +61,11 @@ def _factory(model_name: str) -> Callable[[], nn.Module]:
         return lambda: GPT(GPT_CONFIG)
     if model_name == "gpt2":
         return lambda: build_hf("gpt2")
-    return MLP
+    return Branchy if model_name == "branchy" else MLP
 
 
 def _optimizer(model_name: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    if model_name == "mlp":
+    if model_name in ("mlp", "branchy"):
         return adamw_two_groups
     from test_hf_models import OPTIMIZERS
 
@@ -82,6 +85,9 @@ def _losses(model_name: str, seed: int, world: int) -> Callable[[nn.Module, int]
             return m(x[:, :-1], x[:, 1:])[1]
 
         return loss
+    if model_name == "branchy":  # `sometimes` gets a gradient at seed 0 only
+        data = batches(seed, world, 3, [(4,), (4,)])
+        return lambda m, r: F.mse_loss(m(data[r][0], use_branch=seed == 0), data[r][1])
     return mse(batches(seed, world, 3, [(7,), (5,)]))
 
 
@@ -419,3 +425,88 @@ def test_step_without_backward(world, stage, model_name):
             "count": 2,
             "logs": [],
         }, out["ignore"]
+
+
+# -- 3. model.zero_grad() instead of opt.zero_grad() --------------------------------------------
+
+ACCUMULATION_MSG = (
+    "zerodp: step 2 steps gradients accumulated since before step 1: no opt.zero_grad() or "
+    "model.zero_grad() ran in between. If you cleared them with `p.grad = None` or a "
+    "submodule's zero_grad(): at stages 2-3 zerodp keeps gradients in its own buffers, so that "
+    "cleared nothing; call opt.zero_grad(). If accumulating across steps is intended (torch "
+    "allows it), ignore this (logged once)"
+)
+# How gradients are cleared at the start of each step (mid: between the first forward and its
+# backward); *_false: set_to_none=False.
+CLEARS = ["opt", "opt_false", "model", "model_false", "model_mid", "loop", "loop_mid"]
+SAME_AS = {"model": "opt", "model_false": "opt_false", "model_mid": "opt", "loop": "opt"}
+SAME_AS["loop_mid"] = "opt"
+
+
+def _clear(how: str, model: nn.Module, opt: zerodp.ZeroOptimizer) -> None:
+    if how == "opt":
+        opt.zero_grad()
+    elif how == "opt_false":
+        opt.zero_grad(set_to_none=False)
+    elif how in ("model", "model_mid"):
+        model.zero_grad()
+    elif how == "model_false":
+        model.zero_grad(set_to_none=False)
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+def case_model_zero_grad(stage: int, model_name: str, precision: str) -> dict:
+    """3 steps of each way of clearing gradients, without and with gradient accumulation (2
+    micro-batches, the first in no_sync), from the same start: the parameters of each run."""
+    rank, world = rank_world()
+    runs, logs_of = {}, {}
+    for how in CLEARS:
+        for accumulate in (False, True):
+            model = build(_factory(model_name))
+            opt = _optimizer(model_name)(list(model.parameters()))
+            cfg = _cfg(model_name, stage, precision=precision)
+            model, opt = zerodp.initialize(model, opt, cfg)
+            with zerodp_log() as logs:
+                for step in range(3):
+                    for micro in range(2 if accumulate else 1):
+                        losses = _losses(model_name, 10 * step + micro, world)
+                        if micro == 0 and not how.endswith("_mid"):
+                            _clear(how, model, opt)
+                        sync = accumulate and micro == 0
+                        with model.no_sync() if sync else contextlib.nullcontext():
+                            loss = losses(model, rank)
+                            if micro == 0 and how.endswith("_mid"):
+                                _clear(how, model, opt)
+                            opt.backward(loss)
+                    opt.step()
+            runs[(how, accumulate)] = _snapshot(model)
+            logs_of[(how, accumulate)] = logs
+    out = {}
+    for (how, accumulate), params in runs.items():
+        base = runs[(SAME_AS.get(how, how), accumulate)]
+        out[f"{how} {accumulate}"] = (
+            all(torch.equal(params[n], base[n]) for n in base),
+            logs_of[(how, accumulate)],
+        )
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model_name", ["branchy", "gpt", "gpt2"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_zero_grad(world, stage, model_name, precision):
+    """``model.zero_grad()`` (set_to_none True or False, before the forward or between it and
+    the backward) trains bit for bit as ``opt.zero_grad()`` at every stage; so does a
+    ``p.grad = None`` loop at stages 0-1 (they see it); at stages 2-3 such a loop clears
+    nothing and the accumulation across steps is logged once. Before: stage 1 raised a
+    misleading error, stages 2-3 accumulated across steps, stage 0 stepped a parameter unused
+    since the first step (Branchy's `sometimes`) with its stale gradient."""
+    for out in world(2).run(case_model_zero_grad, stage, model_name, precision, timeout=TIMEOUT):
+        for key, (same, logs) in out.items():
+            how = key.split()[0]
+            if how.startswith("loop") and stage >= 2:
+                assert not same and logs == [ACCUMULATION_MSG], (key, same, logs)
+            else:
+                assert same and logs == [], (key, same, logs)

@@ -145,6 +145,13 @@ class KeptGrads:
     def add(self, segments: list[Segment]) -> None:
         self.kept += [[False] * len(s.params) for s in segments]
 
+    def forget(self, cleared: list[list[bool]]) -> None:
+        """User code replaced these parameters' ``.grad`` ([Note: replaced gradients])."""
+        self.kept = [
+            [k and not c for k, c in zip(ks, cs, strict=True)]
+            for ks, cs in zip(self.kept, cleared, strict=True)
+        ]
+
     def has_grad(self, used: list[list[bool]]) -> list[list[bool]]:
         """This rank's view of which parameters have a gradient now (before the agreement)."""
         return _either(self.kept, used)

@@ -7,7 +7,10 @@ the fix:
 - a non-finite gradient, or loss given to ``opt.backward`` (fp32, bf16): ``ZeroConfig.nonfinite``
   (fp16: the loss scaler skips);
 - ``step()`` with no gradient produced since the last step on any rank:
-  ``ZeroConfig.step_without_backward``.
+  ``ZeroConfig.step_without_backward``;
+- a step on gradients that no ``zero_grad`` cleared since the previous step: logged once
+  ([Note: model.zero_grad] in module.py: the one form of clearing gradients behind zerodp's
+  back that stages 2-3 cannot see).
 """
 
 from __future__ import annotations
@@ -80,4 +83,33 @@ def without_backward(policy: str, step: int, count: int) -> None:
             "(ZeroConfig.step_without_backward='warn')",
             step,
             count,
+        )
+
+
+class Staleness:
+    """Whether gradients from before the last step are left (a backward ran before it and no
+    ``zero_grad`` since); a step that adds to them is logged once."""
+
+    def __init__(self) -> None:
+        self.stale = False
+        self._warned = False
+
+    def cleared(self) -> None:
+        self.stale = False
+
+    def stepped(self, backward: bool) -> None:
+        self.stale = self.stale or backward
+
+    def check(self, step: int) -> None:
+        if not self.stale or self._warned:
+            return
+        self._warned = True
+        log.warning(
+            "zerodp: step %d steps gradients accumulated since before step %d: no "
+            "opt.zero_grad() or model.zero_grad() ran in between. If you cleared them with "
+            "`p.grad = None` or a submodule's zero_grad(): at stages 2-3 zerodp keeps gradients "
+            "in its own buffers, so that cleared nothing; call opt.zero_grad(). If accumulating "
+            "across steps is intended (torch allows it), ignore this (logged once)",
+            step,
+            step - 1,
         )
