@@ -8,10 +8,11 @@ resolved ``Plan``, and runs the step's schedule:
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
 
-Over the ~400-line budget (496): adopting parameters unfrozen after ``initialize`` ([Note:
-unfreezing]) rebuilds the same components construction builds, so it lives beside it, and the
-step wires in the misuse checks (``optim/misuse.py``); the engine restructure (one engine over
-pluggable parameter/gradient sync) splits construction and re-planning from the step.
+Over the ~400-line budget (554): adopting parameters unfrozen after ``initialize`` ([Note:
+unfreezing]) or added by ``opt.add_param_group`` ([Note: param groups added after initialize])
+rebuilds the same components construction builds, so it lives beside it, and the step wires in
+the misuse checks (``optim/misuse.py``); the engine restructure (one engine over pluggable
+parameter/gradient sync) splits construction and re-planning from the step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from zerodp.optim import misuse
 from zerodp.optim.agreement import (
     KeptGrads,
     StepFlags,
+    added_group_problem,
     agree_on_step,
+    check_added_group,
     check_unfrozen,
 )
 from zerodp.optim.chunked import ChunkedGrads
@@ -267,10 +270,23 @@ class ZeroEngine:
             return
         unfrozen = [(n, p) for n, p in self.frozen if p.requires_grad]
         check_unfrozen(self.comm, [n for n, _ in unfrozen], self.reducer.used)
-        self.param_gather.wait_all()
         self.frozen = [(n, p) for n, p in self.frozen if not p.requires_grad]
-        new = self._build_segments(unfrozen, first=len(self.segments))
+        self._adopt(unfrozen)
+
+    def _adopt(self, named: list[tuple[str, nn.Parameter]], *, broadcast: bool = False) -> None:
+        """Segments, masters, gather and pieces for trainable parameters that have none, and a
+        reducer over every segment; ``broadcast``: parameters new to zerodp (rank 0's values)."""
+        self.param_gather.wait_all()
+        new = self._build_segments(named, first=len(self.segments))
+        if broadcast and self.comm.world_size > 1:
+            with torch.no_grad():
+                for seg in new:
+                    self.comm.broadcast(seg.param_buffer)
         self.segments += new  # in place: the masters' (and stage 3's manager's) list too
+        self.masters.add(new)  # before the cast: a new fp32 parameter's master is exact
+        for seg in new:
+            if self.plan.mixed and id(seg.params[0]) not in self._fp32_ids:
+                seg.cast_(self.plan.compute_dtype)
         seen = self.reducer.grads_seen
         if self.params is None:
             self.reducer.remove_hooks()
@@ -278,12 +294,54 @@ class ZeroEngine:
         else:  # [stage 3] persistent segments
             self.reducer = self.params.adopt([s.index for s in new], self._reduce_dtype)
         self.reducer.grads_seen = seen
-        self.masters.add(new)
         self.param_gather.add(new)
         self.kept_grads.add(new)
+        self._rebind_pieces()
+
+    def _rebind_pieces(self) -> None:
         old, self.pieces = self.pieces, self._build_pieces()
         replace_pieces(self.optimizer, old, self.pieces)
         self.chunked = self._chunked()
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """[Note: param groups added after initialize] ``opt.add_param_group`` as in torch (the
+        group keeps its options; the defaults fill the rest), its parameters sharded like the
+        others. One already known to zerodp (frozen at ``initialize``, or trainable in no group)
+        joins the group: it is stepped from its next gradient on (a frozen one once unfrozen,
+        [Note: unfreezing]). One registered in the model after ``initialize`` is broadcast from
+        rank 0 and adopted (stage 3: a persistent segment), or replicated if frozen. Every rank
+        must add the same parameters and options (checked: one small collective; otherwise every
+        rank raises and nothing changes); adopting a new trainable parameter rebuilds the
+        reducer, so no gradient may be pending then (after ``opt.zero_grad()``)."""
+        given = group["params"]
+        given = [given] if isinstance(given, torch.Tensor) else list(given)
+        params = list(dict.fromkeys(given))  # torch warns about duplicates (add_param_group)
+        names = {id(p): n for n, p in _unique_named_parameters(self.model)}
+        known = {id(p) for seg in self.segments for p in seg.params}
+        known |= {id(p) for _, p in self.frozen}
+        new = [(names[id(p)], p) for p in params if id(p) in names and id(p) not in known]
+        device = self.segments[0].device if self.segments else None
+        pending = any(map(any, self.reducer.used)) and any(p.requires_grad for _, p in new)
+        problem = added_group_problem(params, names, self._groups, device, pending)
+        labels = [names.get(id(p), f"<unnamed {type(p).__name__}>") for p in params]
+        options = sorted((k, repr(v)) for k, v in group.items() if k != "params")
+        check_added_group(self.comm, labels, options, problem)
+        self.optimizer.add_param_group({**group, "params": given})  # validates, fills defaults
+        for p in params:
+            self._groups[id(p)] = len(self.optimizer.param_groups) - 1
+        frozen = [(n, p) for n, p in new if not p.requires_grad]
+        with torch.no_grad():
+            for _, p in frozen:  # replicated, as frozen parameters are
+                if self.comm.world_size > 1:
+                    self.comm.broadcast(p.data)
+                if self.plan.mixed and p.is_floating_point():
+                    p.data = p.data.to(self.plan.compute_dtype)
+        self.frozen += frozen
+        trainable = [(n, p) for n, p in new if p.requires_grad]
+        if trainable:
+            self._adopt(trainable, broadcast=True)
+        else:
+            self._rebind_pieces()
 
     # -- the training step ---------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ training or against the correct use, with exact messages and counts:
 1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.nonfinite``, default "raise");
 2. ``opt.step()`` with no backward since the last step (``ZeroConfig.step_without_backward``,
    default "warn");
-3. ``model.zero_grad()`` (and ``p.grad = None`` loops) instead of ``opt.zero_grad()``.
+3. ``model.zero_grad()`` (and ``p.grad = None`` loops) instead of ``opt.zero_grad()``;
+4. ``opt.add_param_group`` after ``initialize`` (a parameter frozen at ``initialize``, or one
+   registered in the model afterwards).
 
-Models: ``zerotest.MLP`` (or ``Branchy``), zerodp's GPT, and the tiny Hugging Face GPT-2.
+Models: ``zerotest.MLP`` (or a variant), zerodp's GPT, and the tiny Hugging Face GPT-2.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from zerotest import (
     MLP,
     Branchy,
+    Pair,
     adamw_two_groups,
     batches,
     build,
@@ -510,3 +513,157 @@ def test_model_zero_grad(world, stage, model_name, precision):
                 assert not same and logs == [ACCUMULATION_MSG], (key, same, logs)
             else:
                 assert same and logs == [], (key, same, logs)
+
+
+# -- 4. opt.add_param_group after initialize ----------------------------------------------------
+
+
+class Growing(nn.Module):
+    """``MLP`` whose output goes through ``extra`` (a residual layer) once it exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        extra = self._modules.get("extra")
+        return y if extra is None else y + extra(y)
+
+
+def _grow(model_name: str, model: nn.Module, seed: int) -> nn.Module:
+    """Register a new layer in ``model`` (initialised from ``seed``); returns it."""
+    torch.manual_seed(seed)
+    if model_name == "mlp":
+        model.extra = nn.Linear(5, 5)
+        return model.extra
+    mlp = model.transformer.h[1].mlp
+    mlp.adapter = nn.Linear(16, 16)
+    mlp.register_forward_hook(lambda m, args, out: out + m.adapter(out))
+    return mlp.adapter
+
+
+def _first_layer(model_name: str, model: nn.Module) -> nn.Module:
+    return model.fc1 if model_name == "mlp" else model.transformer.h[0].attn
+
+
+def case_add_param_group(stage: int, model_name: str) -> dict:
+    """Step 1: a layer frozen at initialize (and in no group) is unfrozen and given its own
+    group (fine-tuning's classic pattern). Step 2: a layer created after initialize (with
+    another seed on each rank: rank 0's must win) gets a group of its own options; an LR
+    scheduler made after it schedules every group. Parity with torch after every step."""
+    rank, world = rank_world()
+    factory = Growing if model_name == "mlp" else _factory(model_name)
+    ref, model = build(factory), build(factory)
+    for m in (ref, model):
+        _first_layer(model_name, m).requires_grad_(False)
+    make = _optimizer(model_name)
+    ref_opt = make([p for p in ref.parameters() if p.requires_grad])
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    model, opt = zerodp.initialize(model, opt, _cfg(model_name, stage))
+    schedulers = []
+    for step in range(5):
+        if step == 1:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                layer = _first_layer(model_name, m)
+                layer.requires_grad_(True)
+                o.add_param_group({"params": layer.parameters(), "lr": 3e-3, "weight_decay": 0})
+        if step == 2:
+            for m, o, seed in ((ref, ref_opt, 100), (model, opt, 100 + rank)):
+                layer = _grow(model_name, m, seed)
+                o.add_param_group({"params": layer.parameters(), "lr": 2e-2, "betas": (0.8, 0.9)})
+                sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.7**s)
+                schedulers.append(sched)
+        losses = _losses(model_name, step, world)
+        reference_step(Pair(model, opt, ref, ref_opt), losses, world)
+        losses(model, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        for sched in schedulers:
+            sched.step()
+        _check(model_name, model, ref, f"stage {stage} step {step}")
+    added = opt.param_groups[-1]
+    return {
+        "groups": len(opt.param_groups),
+        "options": (added["betas"], added["weight_decay"], added["initial_lr"]),
+        "lrs": [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups],
+    }
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_add_param_group(world, stage, model_name):
+    """Used to diverge silently (the new group's full parameters were stepped by each rank's
+    local gradient, or dropped at the next rebind)."""
+    groups = 3 if model_name == "mlp" else 2  # adamw_two_groups has an empty third group
+    for out in world(2).run(case_add_param_group, stage, model_name, timeout=TIMEOUT):
+        # AdamW's default weight decay (0.01) fills what the group left out.
+        assert out == {"groups": groups + 2, "options": ((0.8, 0.9), 0.01, 2e-2), "lrs": True}, out
+
+
+REFUSED = "zerodp: opt.add_param_group refused, nothing was changed:\n  "
+HINT = (
+    "\n(every rank must add the same model parameters, with no gradient pending if one is new; "
+    "or pass every group to the optimizer before zerodp.initialize)"
+)
+
+
+def case_add_param_group_errors(stage: int) -> list[str]:
+    rank, world = rank_world()
+    model, opt = _init(_cfg("mlp", stage))
+    model.extra = nn.Linear(5, 5)
+    model.other = nn.Linear(5, 5)
+    x, y = batches(0, world, 3, [(7,), (5,)])[rank]
+    attempts: list[Callable[[], None]] = [
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 4))]}),
+        lambda: opt.add_param_group({"params": [model.fc1.weight]}),
+        lambda: opt.add_param_group({"params": (model.extra if rank == 0 else model.other).weight}),
+        lambda: opt.add_param_group({"params": model.extra.parameters(), "lr": 0.1 * (rank + 1)}),
+    ]
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as exc:
+            errors.append(str(exc))
+    F.mse_loss(model(x), y).backward()
+    try:  # a gradient is pending: rebuilding the reducer would lose it
+        opt.add_param_group({"params": model.extra.parameters()})
+    except ValueError as exc:
+        errors.append(str(exc))
+    groups = len(opt.param_groups)
+    opt.step()
+    opt.zero_grad()
+    opt.add_param_group({"params": model.extra.parameters()})  # now fine
+    errors.append(f"{groups} -> {len(opt.param_groups)}")
+    return errors
+
+
+def test_add_param_group_errors(world):
+    for stage in STAGES:
+        out = world(2).run(case_add_param_group_errors, stage, timeout=TIMEOUT)
+        assert out[0] == out[1], out
+        alien = (
+            "a tensor of shape (3, 4) is not a parameter of the model given to "
+            "zerodp.initialize: register it in the model on every rank first (e.g. as a "
+            "submodule's parameter), so that zerodp can broadcast and shard it"
+        )
+        twice = (
+            "parameter 'fc1.weight' is already in param group 0 (some parameters appear in "
+            "more than one parameter group)"
+        )
+        pending = (
+            "gradients are pending since the last zero_grad: add a group with new trainable "
+            "parameters after opt.step() and opt.zero_grad(), not between micro-batches"
+        )
+        assert out[0] == [
+            REFUSED + f"rank 0: {alien}\n  rank 1: {alien}" + HINT,
+            REFUSED + f"rank 0: {twice}\n  rank 1: {twice}" + HINT,
+            REFUSED + "rank 1 adds ['other.weight'] but rank 0 adds ['extra.weight']" + HINT,
+            REFUSED
+            + "rank 1 adds the group with options [('lr', '0.2')], rank 0 [('lr', '0.1')]"
+            + HINT,
+            REFUSED + f"rank 0: {pending}\n  rank 1: {pending}" + HINT,
+            "3 -> 4",
+        ], (stage, out[0])

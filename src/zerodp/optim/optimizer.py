@@ -94,6 +94,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         does not use it ([Note: kept gradients] in optim/agreement.py)."""
         self._engine.zero_grad(set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` for parameters of the model (frozen at
+        ``initialize``, trainable but in no group, or registered after ``initialize``): they are
+        sharded like the others and the group keeps its options. A collective: every rank must
+        call it with the same parameters; see [Note: param groups added after initialize] in
+        engine.py."""
+        self._engine.add_param_group(param_group)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over
         the full model, and return that total norm (the same on every rank). Call it between
