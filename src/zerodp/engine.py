@@ -8,10 +8,11 @@ resolved ``Plan``, and runs the step's schedule:
    all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
    (stages 1-2).
 
-Over the ~400-line budget (437): adopting parameters unfrozen after ``initialize`` ([Note:
-unfreezing]) rebuilds the same components construction builds, so it lives beside it; the
-engine restructure (one engine over pluggable parameter/gradient sync) splits construction and
-re-planning from the step.
+Over the ~400-line budget (582): adopting parameters unfrozen after ``initialize`` ([Note:
+unfreezing]) or added by ``opt.add_param_group`` ([Note: param groups added after initialize])
+rebuilds the same components construction builds, so it lives beside it, and the step wires in
+the misuse checks (``optim/misuse.py``); the engine restructure (one engine over pluggable
+parameter/gradient sync) splits construction and re-planning from the step.
 """
 
 from __future__ import annotations
@@ -27,10 +28,19 @@ from torch.utils._pytree import tree_leaves
 from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
-from zerodp.optim.agreement import KeptGrads, agree_on_step, check_unfrozen
+from zerodp.optim import misuse
+from zerodp.optim.agreement import (
+    KeptGrads,
+    StepFlags,
+    added_group_problem,
+    agree_on_step,
+    check_added_group,
+    check_unfrozen,
+)
 from zerodp.optim.chunked import ChunkedGrads
 from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
+from zerodp.optim.finite import FiniteCheck
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
@@ -72,6 +82,7 @@ class ZeroEngine:
     scaler: DynamicLossScaler | None  # fp16 only
     steps: int  # optimizer steps attempted (skipped ones included)
     skipped_steps: int
+    steps_without_backward: int  # step() calls with no gradient produced since the last step
     last_step: StepInfo | None
 
     def __init__(
@@ -147,9 +158,16 @@ class ZeroEngine:
         self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
         self.steps = 0
         self.skipped_steps = 0
+        self.steps_without_backward = 0
         self.last_step = None
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
         self._skip = False  # the current step's gradients are not finite somewhere
+        self._flags = StepFlags()  # the agreed flags of the current step
+        self._seen_at_step = 0  # reducer.grads_seen at the end of the last step
+        self._losses = misuse.LossCheck()
+        self._staleness = misuse.Staleness()
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.finite = FiniteCheck(device) if plan.check_finite and not plan.mixed else None
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self.kept_grads = KeptGrads(self.segments)
         self._grad_norm: float | None = None
@@ -217,7 +235,15 @@ class ZeroEngine:
     def _grad_reducer(self) -> GradReducer:
         reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode, self._reduce_dtype)
         reducer.register_hooks()
+        reducer.on_replaced = self._on_grads_replaced
         return reducer
+
+    def _on_grads_replaced(self, replaced: list[list[bool]]) -> None:
+        """[Note: replaced gradients] in grads/reducer.py: a replaced ``.grad`` is kept no more;
+        every one replaced is a ``zero_grad``."""
+        self.kept_grads.forget(replaced)
+        if all(all(r) for r in replaced):
+            self._staleness.cleared()
 
     def _build_pieces(self) -> list[OptimPiece]:
         rank = self.comm.rank
@@ -249,21 +275,78 @@ class ZeroEngine:
             return
         unfrozen = [(n, p) for n, p in self.frozen if p.requires_grad]
         check_unfrozen(self.comm, [n for n, _ in unfrozen], self.reducer.used)
-        self.param_gather.wait_all()
         self.frozen = [(n, p) for n, p in self.frozen if not p.requires_grad]
-        new = self._build_segments(unfrozen, first=len(self.segments))
+        self._adopt(unfrozen)
+
+    def _adopt(self, named: list[tuple[str, nn.Parameter]], *, broadcast: bool = False) -> None:
+        """Segments, masters, gather and pieces for trainable parameters that have none, and a
+        reducer over every segment; ``broadcast``: parameters new to zerodp (rank 0's values)."""
+        self.param_gather.wait_all()
+        new = self._build_segments(named, first=len(self.segments))
+        if broadcast and self.comm.world_size > 1:
+            with torch.no_grad():
+                for seg in new:
+                    self.comm.broadcast(seg.param_buffer)
         self.segments += new  # in place: the masters' (and stage 3's manager's) list too
+        self.masters.add(new)  # before the cast: a new fp32 parameter's master is exact
+        for seg in new:
+            if self.plan.mixed and id(seg.params[0]) not in self._fp32_ids:
+                seg.cast_(self.plan.compute_dtype)
+        seen = self.reducer.grads_seen
         if self.params is None:
             self.reducer.remove_hooks()
             self.reducer = self._grad_reducer()
         else:  # [stage 3] persistent segments
             self.reducer = self.params.adopt([s.index for s in new], self._reduce_dtype)
-        self.masters.add(new)
+        self.reducer.grads_seen = seen
         self.param_gather.add(new)
         self.kept_grads.add(new)
+        self._rebind_pieces()
+
+    def _rebind_pieces(self) -> None:
         old, self.pieces = self.pieces, self._build_pieces()
         replace_pieces(self.optimizer, old, self.pieces)
         self.chunked = self._chunked()
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """[Note: param groups added after initialize] ``opt.add_param_group`` as in torch (the
+        group keeps its options; the defaults fill the rest), its parameters sharded like the
+        others. One already known to zerodp (frozen at ``initialize``, or trainable in no group)
+        joins the group: it is stepped from its next gradient on (a frozen one once unfrozen,
+        [Note: unfreezing]). One registered in the model after ``initialize`` is broadcast from
+        rank 0 and adopted (stage 3: a persistent segment), or replicated if frozen. Every rank
+        must add the same parameters and options (checked: one small collective; otherwise every
+        rank raises and nothing changes); adopting a new trainable parameter rebuilds the
+        reducer, so no gradient may be pending then (after ``opt.zero_grad()``)."""
+        given = group["params"]
+        given = [given] if isinstance(given, torch.Tensor) else list(given)
+        params = list(dict.fromkeys(given))  # torch warns about duplicates (add_param_group)
+        names = {id(p): n for n, p in _unique_named_parameters(self.model)}
+        known = {id(p) for seg in self.segments for p in seg.params}
+        known |= {id(p) for _, p in self.frozen}
+        new = [(names[id(p)], p) for p in params if id(p) in names and id(p) not in known]
+        device = self.segments[0].device if self.segments else None
+        pending = any(map(any, self.reducer.used)) and any(p.requires_grad for _, p in new)
+        problem = added_group_problem(params, names, self._groups, device, pending)
+        labels = [names.get(id(p), f"<unnamed {type(p).__name__}>") for p in params]
+        options = sorted((k, repr(v)) for k, v in group.items() if k != "params")
+        check_added_group(self.comm, labels, options, problem)
+        self.optimizer.add_param_group({**group, "params": given})  # validates, fills defaults
+        for p in params:
+            self._groups[id(p)] = len(self.optimizer.param_groups) - 1
+        frozen = [(n, p) for n, p in new if not p.requires_grad]
+        with torch.no_grad():
+            for _, p in frozen:  # replicated, as frozen parameters are
+                if self.comm.world_size > 1:
+                    self.comm.broadcast(p.data)
+                if self.plan.mixed and p.is_floating_point():
+                    p.data = p.data.to(self.plan.compute_dtype)
+        self.frozen += frozen
+        trainable = [(n, p) for n, p in new if p.requires_grad]
+        if trainable:
+            self._adopt(trainable, broadcast=True)
+        else:
+            self._rebind_pieces()
 
     # -- the training step ---------------------------------------------------------------------
 
@@ -314,10 +397,13 @@ class ZeroEngine:
         )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, multiplied by the loss scale under fp16."""
+        """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
+        checked too, ``ZeroConfig.nonfinite``; a device flag, no synchronisation)."""
         self._scaled_backward = True
         if self.scaler is not None:
             loss = loss * self.scaler.scale
+        elif self.plan.check_finite:
+            self._losses.add(loss)
         loss.backward()
 
     def finish_gradients(self) -> None:
@@ -325,26 +411,40 @@ class ZeroEngine:
         unscaled) and agree across ranks on which parameters got a gradient and whether every
         gradient is finite. Idempotent until the step."""
         if self._grads_final:
+            self._check_nonfinite()
             return
-        if self.scaler is not None and not self._scaled_backward:
+        self.reducer.finish()
+        backward = self.reducer.grads_seen != self._seen_at_step  # this rank, since the step
+        if self.scaler is not None and backward and not self._scaled_backward:
             raise RuntimeError(
                 "precision='fp16' scales the loss: call opt.backward(loss) instead of "
                 "loss.backward() (the only change fp16 needs in the training loop)"
             )
-        self.reducer.finish()
         if isinstance(self.reducer, GradReducer):
             self.reducer.adopt_recorded_order()  # once ([Note: launch order])
         nonfinite = False
         if self.chunked is not None and self.plan.check_finite:
             nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())
+        elif self.finite is not None:
+            nonfinite = self.finite.nonfinite(self.reducer, self.segments, self.comm.rank)
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
-        used, self._skip = agree_on_step(self.comm, has_grad, self.segments, self.frozen, nonfinite)
-        self._used = used
+        mine = StepFlags(nonfinite, self._losses.nonfinite(), backward)
+        used, flags = agree_on_step(self.comm, has_grad, self.segments, self.frozen, mine)
+        self._used, self._flags = used, flags
+        self._skip = flags.nonfinite_grads or (self.scaler is None and flags.nonfinite_loss)
         if self.chunked is None:  # fp32: the optimizer steps views of the reduced gradients
             for op in self.pieces:
                 op.tensor.grad = op.grad if used[op.seg][op.slot] else None
         self._grads_final = True
+        self._check_nonfinite()
+
+    def _check_nonfinite(self) -> None:
+        """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
+        clip until ``zero_grad``."""
+        if self._skip and self.scaler is None and self.config.nonfinite == "raise":
+            what = misuse.nonfinite_what(self._flags, loss_scaling=False)
+            raise misuse.nonfinite_error(self.steps + 1, what)
 
     def _inv_scale(self) -> float:
         return 1.0 / self.scaler.scale if self.scaler else 1.0
@@ -357,11 +457,20 @@ class ZeroEngine:
         self.comm.progress.enter("optimizer step")
         self.finish_gradients()
         self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
+        without_backward = not self._flags.backward
+        if without_backward:
+            self.steps_without_backward += 1
+            policy = self.config.step_without_backward
+            if policy == "raise":
+                self._end_step()  # nothing changed; a backward then step() goes on normally
+            misuse.without_backward(policy, self.steps + 1, self.steps_without_backward)
+        else:
+            self._staleness.check(self.steps + 1)
         scale = self.scaler.scale if self.scaler else None
         self.steps += 1
         if self._skip:
             self.skipped_steps += 1
-            reason = "non-finite gradients"
+            reason = f"non-finite {misuse.nonfinite_what(self._flags, self.scaler is not None)}"
             log.warning(
                 "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
                 self.steps,
@@ -378,9 +487,12 @@ class ZeroEngine:
             self.publish_params()
         if self.scaler is not None:
             self.scaler.update(finite=not self._skip)
-        self.last_step = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm)
         self.comm.progress.step = self.steps
         self.comm.progress.enter(BETWEEN_STEPS)
+        info = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm, without_backward)
+        self.last_step = info
+        self._seen_at_step = self.reducer.grads_seen
+        self._staleness.stepped(self._flags.backward)
         self._end_step()
         self.comm.ledger.end_step()
         return loss
@@ -390,8 +502,10 @@ class ZeroEngine:
             self.chunked.reset()
         self._grads_final = False
         self._skip = False
+        self._flags = StepFlags()
         self._grad_norm = None
         self._scaled_backward = False
+        self._losses.reset()
 
     def publish_params(self) -> None:
         """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
@@ -418,6 +532,9 @@ class ZeroEngine:
         if self.chunked is not None:
             self.chunked.reset()
         self._grads_final = False
+        self._skip = False
+        self._losses.reset()
+        self._staleness.cleared()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.comm.progress.enter("gradient clipping")

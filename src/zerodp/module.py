@@ -66,6 +66,27 @@ class ZeroModule:
             engine.wait_params()
         return super().__getattr__(name)  # type: ignore[misc]
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """[Note: model.zero_grad] The same as ``opt.zero_grad(set_to_none)``, plus torch's
+        ``Module.zero_grad`` on the frozen parameters. torch's own would set every ``.grad`` to
+        ``None``, but zerodp's gradients live in flat buffers (stages 0-1: ``.grad`` are views of
+        one; stages 2-3: the reduced gradient is in the owned shard and ``.grad`` is ``None``
+        between steps), so clearing ``.grad`` alone left them there: stages 2-3 accumulated
+        across steps, stage 1 refused the next backward. Code that clears ``.grad`` other ways:
+        stages 0-1 see it ([Note: replaced gradients] in grads/reducer.py); stages 2-3 cannot,
+        and a step on gradients that no zero_grad cleared since the previous step is logged
+        (once)."""
+        engine = self.zero_engine
+        engine.zero_grad(set_to_none)
+        for _, p in engine.frozen:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.requires_grad_(False)
+                p.grad.zero_()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no gradient communication, for the backward

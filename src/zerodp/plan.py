@@ -25,7 +25,7 @@ class Plan:
     reduce_dtype: torch.dtype  # dtype gradients are summed in across ranks
     mixed: bool  # separate fp32 masters (see [Note: mixed precision] in optim/masters.py)
     loss_scaling: bool  # fp16: scale the loss, skip non-finite steps, adapt the scale
-    check_finite: bool  # skip a step whose gradients are not finite on some rank
+    check_finite: bool  # check the step's gradients: fp16 (loss scaler), else ZeroConfig.nonfinite
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.bucket_bytes // _element_size(dtype))
@@ -54,7 +54,7 @@ def resolve(config: ZeroConfig) -> Plan:
         reduce_dtype=DTYPES[config.reduce_dtype],
         mixed=config.precision != "fp32",
         loss_scaling=config.precision == "fp16",
-        check_finite=config.precision != "fp32",
+        check_finite=config.precision == "fp16" or config.nonfinite != "ignore",
     )
 
 

@@ -240,9 +240,10 @@ def test_frozen_weights(world, stage):
 
 def case_step_count(stage: int, precision: str) -> list:
     """bf16: rank 1's gradients are non-finite at step 2 (DeepSpeed runs this test in fp16/bf16,
-    where such a step is skipped); fp32 steps whatever the gradients, as torch does."""
+    where such a step is skipped; zerodp skips it with ``nonfinite='skip'``, the default raises);
+    fp32 gets only finite gradients."""
     rank, world = rank_world()
-    config = cfg(stage, ("Linear",), precision=precision)
+    config = cfg(stage, ("Linear",), precision=precision, nonfinite="skip")
     pair = make_pair(lambda: Layers(n=12, d=4, out=4), torch.optim.Adam, config)
     bad = 2 if precision == "bf16" else -1
     seen = []

@@ -20,6 +20,14 @@ from zerodp import ZeroConfig
         ({"broadcast_buffers": 1}, "ZeroConfig.broadcast_buffers must be True or False; got 1"),
         ({"loss_scale": 8.0}, "ZeroConfig.loss_scale is only used with precision='fp16'"),
         ({"backoff_factor": 1.5}, "ZeroConfig.backoff_factor must be in (0, 1); got 1.5"),
+        (
+            {"nonfinite": "warn"},
+            "ZeroConfig.nonfinite must be one of 'raise', 'skip', 'ignore'; got 'warn'",
+        ),
+        (
+            {"step_without_backward": "skip"},
+            "ZeroConfig.step_without_backward must be one of 'warn', 'raise', 'ignore'; got 'skip'",
+        ),
     ],
 )
 def test_invalid_values(kwargs, message):

@@ -28,6 +28,20 @@ Three modes, one per way of holding gradients:
     No full gradient buffer. At launch the bucket's gradients are copied into one of a fixed
     pool of staging buffers (then ``param.grad`` is freed), reduce-scattered into the owned
     gradient shard, divided by N and accumulated there.
+
+[Note: replaced gradients] Stages 0-1 bind every ``param.grad`` to its view of the gradient
+buffer. Code that clears gradients behind the optimizer's back (``p.grad = None`` in a loop, a
+submodule's ``zero_grad()``) replaces that binding, and torch's meaning is: this parameter has
+no gradient (``None``), or exactly the assigned tensor. The first backward hook of every
+backward, and ``finish``, compare each ``.grad`` with its view (an attribute read per
+parameter): a replaced one gets its view zeroed (``None``) or set to the assigned tensor and
+bound again, its used bit follows, and ``on_replaced`` tells the engine ([Note: kept
+gradients]). If every gradient was replaced before a backward, nothing reduced is left in the
+buffer: that backward starts a new reduction round, as after ``zero_grad`` (stage 1 would
+otherwise refuse it). A tensor assigned after the last backward is the gradient the step uses,
+unreduced, as in torch. Stages 2-3 cannot see such code: between steps ``.grad`` is ``None``
+there anyway (the reduced gradient lives in the owned shard); the root module's ``zero_grad``
+goes to the engine ([Note: model.zero_grad] in ``module.py``).
 """
 
 from __future__ import annotations
@@ -104,6 +118,9 @@ class GradReducer:
         self._rounds = 0  # reduction rounds launched since the last finish()
         self._averaged = False  # finish() ran and zero_grad() has not
         self._hooks: list[Any] = []
+        self.grads_seen = 0  # gradients produced (hook calls), ever: "did a backward run"
+        self.on_replaced: Callable[[list[list[bool]]], None] | None = None
+        self._views: list[list[torch.Tensor]] = []  # stages 0-1: what each .grad is bound to
         self._reset_backward()
         if not staged:
             self.bind_grad_views()
@@ -145,11 +162,44 @@ class GradReducer:
 
     def bind_grad_views(self) -> None:
         """Point every ``param.grad`` at its view of the full gradient buffer (stages 0-1)."""
+        self._views = []
         for i, seg in enumerate(self.segments):
             buf = self.grad_buffers[i]
             assert buf is not None
-            for s, p in enumerate(seg.params):
-                p.grad = self._grad_view(buf, seg, s)
+            views = [self._grad_view(buf, seg, s) for s in range(len(seg.params))]
+            for p, view in zip(seg.params, views, strict=True):
+                p.grad = view
+            self._views.append(views)
+
+    def take_replaced_grads(self, *, new_round: bool) -> None:
+        """Adopt the ``.grad`` bindings that user code replaced ([Note: replaced gradients]);
+        ``new_round``: a backward starts (not ``finish``)."""
+        if self.mode is ReduceMode.SCATTER_STAGED:
+            return
+        replaced = [
+            [_replaced(p.grad, v) for p, v in zip(seg.params, views, strict=True)]
+            for seg, views in zip(self.segments, self._views, strict=True)
+        ]
+        if not any(any(r) for r in replaced):
+            return
+        self._inflight.wait_all()  # never write a buffer a collective is still writing
+        with torch.no_grad():
+            for i, seg in enumerate(self.segments):
+                for s, p in enumerate(seg.params):
+                    if not replaced[i][s]:
+                        continue
+                    view, grad = self._views[i][s], p.grad
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad)
+                    self.used[i][s] = grad is not None
+                    p.grad = view
+        if new_round and all(all(r) for r in replaced):  # nothing reduced is left
+            self._rounds = 0
+            self._averaged = False
+        if self.on_replaced is not None:
+            self.on_replaced(replaced)
 
     @staticmethod
     def _grad_view(buf: torch.Tensor, seg: Segment, s: int) -> torch.Tensor:
@@ -174,6 +224,9 @@ class GradReducer:
 
     def _on_grad_ready(self, seg: int, slot: int, param: torch.Tensor) -> None:
         first_of_backward = not self._callback_queued
+        self.grads_seen += 1
+        if first_of_backward:
+            self.take_replaced_grads(new_round=True)
         in_place = self.mode is ReduceMode.SCATTER_IN_PLACE
         if first_of_backward and in_place and self.sync_enabled and self._rounds:
             raise RuntimeError(
@@ -341,6 +394,7 @@ class GradReducer:
     def finish(self) -> None:
         """Make the step's gradients final: launch what no backward launched, wait for every
         collective, and average. Idempotent until ``zero_grad``."""
+        self.take_replaced_grads(new_round=False)  # replaced after the last backward
         if self._averaged:
             return
         if self._rounds == 0:
@@ -388,3 +442,8 @@ class GradReducer:
         return sum(t.numel() * t.element_size() for t in self.grad_buffers if t is not None) + sum(
             t.numel() * t.element_size() for t in self.shard_grads if t is not None
         )
+
+
+def _replaced(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """``grad`` is not (an alias of) ``view``: user code replaced the binding."""
+    return grad is None or (grad is not view and grad.data_ptr() != view.data_ptr())

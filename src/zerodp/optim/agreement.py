@@ -3,13 +3,21 @@ and whether some rank detected misuse, decided by every rank from the same all-r
 
 [Note: step agreement] One small all-reduce (MAX) of
 ``[used bit per parameter..., requires_grad per parameter..., its complement..., error,
-non-finite]``:
+non-finite gradients, non-finite loss, backward]``:
 
 - a parameter gets an update iff it *has a gradient* in unsharded training on the same global
   batch: some rank produced one since the last ``zero_grad``, or some rank produced one before a
   ``zero_grad(set_to_none=False)`` with no ``zero_grad(set_to_none=True)`` since ([Note: kept
   gradients]). A parameter without a gradient gets no weight decay, momentum or step count;
-- a step is skipped on every rank if any rank saw a non-finite gradient;
+- a step is skipped on every rank if any rank saw a non-finite gradient (fp16; fp32 and bf16:
+  or a non-finite loss given to ``opt.backward``), or every rank raises, as
+  ``ZeroConfig.nonfinite`` says. Each rank checks the *reduced* gradient it owns (stages 1-3:
+  its shard; stage 0: its 1/N of every bucket): a non-finite element of any rank's local
+  gradient makes the reduced element non-finite (NaN and inf survive a sum), and the reduced
+  gradient is what the optimizer steps, so together the ranks check every element once;
+- ``backward`` is 1 if some rank produced a gradient since the last step: a step with 0 is a
+  step without backward (``ZeroConfig.step_without_backward``). A rank whose parameters got no
+  gradient (all unused there) does not make it 0 while another rank's did;
 - a parameter whose ``requires_grad`` and its complement both come out 1 is frozen on some ranks
   only (its gradient would be averaged with nothing): every rank raises;
 - the error flag (a parameter unfrozen after its forward, so its gradient was never reduced)
@@ -28,6 +36,9 @@ collective. Their reduced gradient is zero (nothing contributed), as torch's kep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -35,23 +46,30 @@ from zerodp.comm import Communicator
 from zerodp.partition.segment import Segment
 
 
+@dataclass(frozen=True, slots=True)
+class StepFlags:
+    """Per-step bits that the agreement makes global (each: on at least one rank)."""
+
+    nonfinite_grads: bool = False
+    nonfinite_loss: bool = False
+    backward: bool = True  # a gradient was produced since the last step
+
+
 def agree_on_step(
     comm: Communicator,
     used: list[list[bool]],  # per segment, per parameter: this rank produced a gradient
     segments: list[Segment],
     frozen: list[tuple[str, nn.Parameter]],
-    nonfinite: bool,
-) -> tuple[list[list[bool]], bool]:
-    """(per segment, per parameter: some rank produced a gradient; some rank saw a non-finite
-    gradient). Raises on every rank if any rank has an unreduced gradient of a frozen parameter."""
+    mine: StepFlags,
+) -> tuple[list[list[bool]], StepFlags]:
+    """(per segment, per parameter: some rank produced a gradient; each flag: on some rank).
+    Raises on every rank if any rank has an unreduced gradient of a frozen parameter."""
     flags = [u for seg in used for u in seg]
     # requires_grad and its complement: both 1 after the MAX = frozen on some ranks only.
     trainable = [p.requires_grad for seg in segments for p in seg.params]
     changed = unreduced_unfrozen(frozen)
-    t = torch.tensor(
-        [*flags, *trainable, *(not b for b in trainable), bool(changed), nonfinite],
-        dtype=torch.uint8,
-    )
+    tail = [bool(changed), mine.nonfinite_grads, mine.nonfinite_loss, mine.backward]
+    t = torch.tensor([*flags, *trainable, *(not b for b in trainable), *tail], dtype=torch.uint8)
     t = t.to(segments[0].device if segments else "cpu")
     comm.all_reduce_control(t, op="max")
     bits = t.tolist()
@@ -63,7 +81,7 @@ def agree_on_step(
             f"requires_grad of '{name}' differs between ranks (frozen on some, trainable "
             "on others): freeze and unfreeze parameters identically on every rank"
         )
-    if bits[-2]:
+    if bits[-4]:
         raise RuntimeError(
             "a parameter frozen at zerodp.initialize got a gradient that was not reduced "
             f"({changed or 'on another rank'}): unfreeze parameters before the forward of a "
@@ -73,7 +91,7 @@ def agree_on_step(
     for seg in used:
         out.append([bool(b) for b in bits[k : k + len(seg)]])
         k += len(seg)
-    return out, bool(bits[-1])
+    return out, StepFlags(bool(bits[-3]), bool(bits[-2]), bool(bits[-1]))
 
 
 def unreduced_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> str:
@@ -109,6 +127,62 @@ def check_unfrozen(comm: Communicator, names: list[str], used: list[list[bool]])
         raise RuntimeError("zerodp: cannot adopt unfrozen parameters:\n  " + "\n  ".join(problems))
 
 
+def added_group_problem(
+    params: list[Any],
+    names: dict[int, str],  # id -> name of the model's parameters
+    groups: dict[int, int],  # id -> optimizer group of the parameters in one
+    device: torch.device | None,  # the model's
+    pending: bool,  # a new trainable parameter while gradients are pending
+) -> str:
+    """Why this rank cannot add a group of ``params`` ("" if it can)."""
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            return f"optimizer can only optimize Tensors, but one of the params is {type(p)}"
+        if id(p) not in names:
+            return (
+                f"a tensor of shape {tuple(p.shape)} is not a parameter of the model given to "
+                "zerodp.initialize: register it in the model on every rank first (e.g. as a "
+                "submodule's parameter), so that zerodp can broadcast and shard it"
+            )
+        name = names[id(p)]
+        if id(p) in groups:
+            return (
+                f"parameter '{name}' is already in param group {groups[id(p)]} (some "
+                "parameters appear in more than one parameter group)"
+            )
+        if device is not None and p.device != device:
+            return f"parameter '{name}' is on {p.device}, the model on {device}"
+    if pending:
+        return (
+            "gradients are pending since the last zero_grad: add a group with new trainable "
+            "parameters after opt.step() and opt.zero_grad(), not between micro-batches"
+        )
+    return ""
+
+
+def check_added_group(
+    comm: Communicator, labels: list[str], options: list[tuple[str, str]], problem: str
+) -> None:
+    """Before ``opt.add_param_group`` changes anything ([Note: param groups added after
+    initialize] in engine.py): every rank adds the same parameters with the same options, and
+    no rank found a problem. Raises the same ``ValueError`` on every rank."""
+    everyone = comm.all_gather_object((labels, options, problem))
+    first_labels, first_options, _ = everyone[0]
+    problems = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(everyone) if p]
+    for r, (theirs, opts, _) in enumerate(everyone):
+        if theirs != first_labels:
+            problems.append(f"rank {r} adds {theirs} but rank 0 adds {first_labels}")
+        elif opts != first_options:
+            problems.append(f"rank {r} adds the group with options {opts}, rank 0 {first_options}")
+    if problems:
+        raise ValueError(
+            "zerodp: opt.add_param_group refused, nothing was changed:\n  "
+            + "\n  ".join(problems)
+            + "\n(every rank must add the same model parameters, with no gradient pending if "
+            "one is new; or pass every group to the optimizer before zerodp.initialize)"
+        )
+
+
 class KeptGrads:
     """Which parameters keep a (zero) gradient across ``zero_grad`` ([Note: kept gradients])."""
 
@@ -127,6 +201,13 @@ class KeptGrads:
 
     def add(self, segments: list[Segment]) -> None:
         self.kept += [[False] * len(s.params) for s in segments]
+
+    def forget(self, cleared: list[list[bool]]) -> None:
+        """User code replaced these parameters' ``.grad`` ([Note: replaced gradients])."""
+        self.kept = [
+            [k and not c for k, c in zip(ks, cs, strict=True)]
+            for ks, cs in zip(self.kept, cleared, strict=True)
+        ]
 
     def has_grad(self, used: list[list[bool]]) -> list[list[bool]]:
         """This rank's view of which parameters have a gradient now (before the agreement)."""

@@ -22,13 +22,15 @@ log = logging.getLogger("zerodp")
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
-    """What happened at one ``optimizer.step()``; ``ZeroOptimizer.last_step`` returns it."""
+    """What happened at one ``optimizer.step()``; ``ZeroOptimizer.last_step`` returns it (a
+    step that raised leaves the previous one)."""
 
     step: int  # optimizer steps attempted so far, this one included
     skipped: bool
     reason: str | None  # why it was skipped
     loss_scale: float | None  # the scale the step's gradients were computed with (fp16)
     grad_norm: float | None  # total norm, when clip_grad_norm_ computed it this step
+    without_backward: bool = False  # no rank produced a gradient since the previous step
 
 
 class DynamicLossScaler:

@@ -71,8 +71,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped so far because some rank had non-finite gradients."""
+        """Steps skipped so far because some rank had non-finite gradients (fp16; fp32 and bf16
+        with ``ZeroConfig(nonfinite='skip')``: or a non-finite loss)."""
         return self._engine.skipped_steps
+
+    @property
+    def steps_without_backward(self) -> int:
+        """``step()`` calls that found no gradient produced since the previous step on any rank
+        (``ZeroConfig.step_without_backward``)."""
+        return self._engine.steps_without_backward
 
     @property
     def loss_scale(self) -> float | None:
@@ -86,6 +93,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameter that had a gradient keeps a zero one, and so is stepped even in a step that
         does not use it ([Note: kept gradients] in optim/agreement.py)."""
         self._engine.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` for parameters of the model (frozen at
+        ``initialize``, trainable but in no group, or registered after ``initialize``): they are
+        sharded like the others and the group keeps its options. A collective: every rank must
+        call it with the same parameters; see [Note: param groups added after initialize] in
+        engine.py."""
+        self._engine.add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over

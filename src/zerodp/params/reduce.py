@@ -79,6 +79,7 @@ class ShardedGrads:
             staging_pool(numels, self.world, segments, reduce_dtype, staging_buffers)
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
+        self.grads_seen = 0  # gradients staged, ever: "did a backward run" (engine)
         self._has_data = [[False] * len(s.layout.buckets) for s in segments]
         self.rounds = 0  # synchronised reduction rounds since zero_grad
         self._averaged = False
@@ -157,6 +158,7 @@ class ShardedGrads:
                         dst.zero_()
                     else:
                         self.used[seg_id][s] = True
+                        self.grads_seen += 1
                         flat = grad.reshape(-1)
                         dst.copy_(flat.narrow(0, part.start - slot.flat.start, part.numel))
                     left[s] -= part.numel
