@@ -36,6 +36,18 @@ def _train_step(model: Any, opt: Any, rank: int, step: int) -> None:
     opt.zero_grad()
 
 
+def _two_steps(stage: int) -> tuple[int, Any, Any]:
+    """This rank, and the tiny GPT with its optimizer after two steps (watchdog: 2 s)."""
+    import torch.distributed as dist
+
+    model = _gpt()
+    config = zerodp.ZeroConfig(stage=stage, watchdog_s=WATCHDOG_S)
+    model, opt = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    for step in range(2):
+        _train_step(model, opt, dist.get_rank(), step)
+    return dist.get_rank(), model, opt
+
+
 def _error_of(fn: Any) -> tuple[str, str, tuple[int, ...], float]:
     """(exception type, message, late ranks, seconds) of what ``fn`` raised."""
     start = time.monotonic()
@@ -51,14 +63,8 @@ def _error_of(fn: Any) -> tuple[str, str, tuple[int, ...], float]:
 def _raised_and_caught(stage: int) -> tuple[str, str, tuple[int, ...], float]:
     """Rank 1's own code raises in the forward of step 3; a notebook or a retry wrapper keeps
     its process alive, so no excepthook runs: the others name it late, in that forward."""
-    import torch.distributed as dist
 
-    rank = dist.get_rank()
-    model = _gpt()
-    config = zerodp.ZeroConfig(stage=stage, watchdog_s=WATCHDOG_S)
-    model, opt = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config)
-    for step in range(2):
-        _train_step(model, opt, rank, step)
+    rank, model, opt = _two_steps(stage)
 
     def boom(module: Any, args: Any) -> None:
         raise ValueError("boom")
@@ -81,14 +87,8 @@ def test_rank_that_raised_is_named_with_its_step_and_phase(stage: int) -> None:
 
 
 def _stalled(stage: int, sleep_s: float) -> tuple[str, str, tuple[int, ...], float]:
-    import torch.distributed as dist
 
-    rank = dist.get_rank()
-    model = _gpt()
-    config = zerodp.ZeroConfig(stage=stage, watchdog_s=WATCHDOG_S)
-    model, opt = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config)
-    for step in range(2):
-        _train_step(model, opt, rank, step)
+    rank, model, opt = _two_steps(stage)
 
     def third() -> None:
         if rank == 1:
@@ -199,14 +199,8 @@ def test_dead_rank_is_named_with_its_exception_step_and_phase(stage: int) -> Non
 
 
 def _uneven_steps_then_save(stage: int, root: str) -> tuple[str, str, tuple[int, ...], float]:
-    import torch.distributed as dist
 
-    rank = dist.get_rank()
-    model = _gpt()
-    config = zerodp.ZeroConfig(stage=stage, watchdog_s=WATCHDOG_S)
-    model, opt = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config)
-    for step in range(2):
-        _train_step(model, opt, rank, step)
+    rank, model, opt = _two_steps(stage)
     zerodp.save_checkpoint(root, model, opt)
 
     def uneven() -> None:
