@@ -1,5 +1,9 @@
 """Bucketed gradient reduction that overlaps backward.
 
+Over the ~400-line budget (454) since it also notices gradients replaced or cleared by the user
+(``model.zero_grad()``, ``p.grad = None``) and counts the gradients a step saw (step without
+backward); the engine restructure (pluggable gradient sync) separates those from the buckets.
+
 A post-accumulate-grad hook on every trainable parameter counts down its buckets; a bucket is
 launched (asynchronously) when all its parameters have their gradient **and** every bucket
 before it in the launch order was launched. The fixed launch order is what keeps ranks'

@@ -1,5 +1,10 @@
 """The stage-3 schedule, run by module and autograd hooks.
 
+Over the ~400-line budget (445) since units that run on some ranks only ([Note: merged plans]
+in order.py) added their extras and deferred reduce-scatters here; the engine restructure (one
+engine over pluggable parameter/gradient sync) is where the schedule splits into forward,
+backward and extras.
+
 [Note: stage-3 schedule]
 Forward, per call of a unit's module:
   pre:   attach the post-backward trigger to the inputs that require grad; gather the unit (or
