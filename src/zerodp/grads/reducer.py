@@ -1,6 +1,6 @@
 """Bucketed gradient reduction that overlaps backward.
 
-Over the ~400-line budget (454) since it also notices gradients replaced or cleared by the user
+Over the ~400-line budget (453) since it also notices gradients replaced or cleared by the user
 (``model.zero_grad()``, ``p.grad = None``) and counts the gradients a step saw (step without
 backward); the engine restructure (pluggable gradient sync) separates those from the buckets.
 
