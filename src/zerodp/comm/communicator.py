@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
-from zerodp.comm.watchdog import Arrival, watch_for
+from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
 
 # [Note: watchdog] how long a rank waits in one collective before it says which rank is late.
 DEFAULT_WATCHDOG_S = 300.0
@@ -103,12 +103,16 @@ class Communicator:
         # therefore run them chunk by chunk; the ledger records the logical collective.
         self._chunked_cpu = self.backend == "gloo" or "cpu:gloo" in self.backend
         self.timeout_s = watchdog_s
-        members = [self.global_rank(r) for r in range(self.world_size)]
-        default = dist.distributed_c10d._get_default_group()
-        store = dist.distributed_c10d._get_default_store()
-        self.watch = watch_for(default, store, self.rank, members)
-        self.watch.use_timeout(watchdog_s)
-        self.progress = self.watch.progress  # the engine says what this rank is doing
+        # One rank issues no collective: nothing to watch, no publishing thread.
+        self.watch: Watch | None = None
+        self.progress = Progress()  # the engine says what this rank is doing
+        if self.world_size > 1:
+            members = [self.global_rank(r) for r in range(self.world_size)]
+            default = dist.distributed_c10d._get_default_group()
+            store = dist.distributed_c10d._get_default_store()
+            self.watch = watch_for(default, store, self.rank, members)
+            self.watch.use_timeout(watchdog_s)
+            self.progress = self.watch.progress
         _collect_cycles_at_exit()
 
     # -- introspection -------------------------------------------------------------------------
@@ -158,18 +162,21 @@ class Communicator:
         after: Callable[[], Any] | None = None,
     ) -> Handle:
         """Launch one collective (``launch`` returns its work or works) and wait for it unless
-        ``async_op``."""
-        arrival = self.watch.arrive(op)
+        ``async_op``. Only called with more than one rank."""
+        watch = self.watch
+        assert watch is not None
+        arrival = watch.arrive(op)
         try:
             works = launch()
         except RuntimeError as e:
-            raise self.watch.diagnose(arrival, 0.0, e, self.timeout_s) from e
+            raise watch.diagnose(arrival, 0.0, e, self.timeout_s) from e
         handle = Handle(works, after, self, arrival)
         if not async_op:
             handle.wait()
         return handle
 
     def wait_works(self, works: list[Any], arrival: Arrival) -> None:
+        assert self.watch is not None  # a Handle with works exists only with more than one rank
         self.watch.wait(works, arrival, self.timeout_s)
 
     # -- model-data collectives ----------------------------------------------------------------

@@ -121,7 +121,7 @@ def explain(
     if not late and first_failed is None and not waited_for_me:
         lines += _different_steps(me, arrival, records)
     if not timed_out:
-        lines.append(f"the collective failed on this rank: {_first(cause)}")
+        lines.append(f"the collective failed on this rank: {first_line(cause)}")
     lines.append("where every rank is:")
     lines += ["  " + position(r, records.get(r), now) + _mark(r, me, late) for r in range(world)]
     if timed_out and timeout_s is not None:
@@ -175,6 +175,7 @@ def _join(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _first(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, bounded (gloo's messages run long)."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from zerodp.comm.diagnosis import Record, explain
+from zerodp.comm.diagnosis import Record, explain, first_line
 
 BETWEEN_STEPS = "between steps"
 
@@ -105,7 +105,7 @@ class Watch:
         self.late: tuple[int, ...] = ()
         self._failed_at: tuple[int, str] | None = None
         self.changed_at = time.time()
-        self._published: str | None = None
+        self._published: tuple[Any, ...] | None = None
         self._lock = threading.Lock()
         self._prefix = "zerodp/watch/" + "-".join(map(str, self.members[:8])) + f"/{len(members)}/"
         self.publish()
@@ -173,7 +173,7 @@ class Watch:
         """This process is dying of ``exc`` (``sys.excepthook``): say so before gloo's
         connections close, so that the others name this rank and its exception."""
         if self.error is None:
-            self.error = ("failed", f"{type(exc).__name__}: {_first_line(exc)}")
+            self.error = ("failed", f"{type(exc).__name__}: {first_line(exc)}")
             self._failed_at = (self.progress.step, self.progress.phase)
         self.publish()
 
@@ -199,15 +199,15 @@ class Watch:
         )
 
     def publish(self) -> None:
+        """Write this rank's record if anything but its timestamps changed since the last."""
         record = self.record()
         key = (record.seq, record.step, record.phase, record.waiting, record.error, record.late)
-        text = json.dumps(record.to_json())
         with self._lock:
-            if self._published == repr(key) and not record.error:
+            if key == self._published:
                 return
             try:
-                self.store.set(self._prefix + str(self.rank), text)
-                self._published = repr(key)
+                self.store.set(self._prefix + str(self.rank), json.dumps(record.to_json()))
+                self._published = key
             except Exception:  # the store went away with the group: stay quiet
                 _PUBLISHER.unregister(self)
 
@@ -222,11 +222,6 @@ class Watch:
                 except Exception:  # a rank we cannot read is reported as unknown
                     continue
         return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 class _Publisher:
