@@ -49,6 +49,32 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+def switch_transformers(experts: int) -> nn.Module:
+    """Top-1 routing over a ModuleDict of ``experts`` in every layer (an expert given no token
+    is not run)."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    cfg = SwitchTransformersConfig(
+        vocab_size=64,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        num_experts=experts,
+        expert_capacity=64,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        dropout_rate=0.0,
+        router_jitter_noise=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return SwitchTransformersForConditionalGeneration(cfg)
+
+
 def llama_config():
     from transformers import LlamaConfig
 

@@ -7,8 +7,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from hf_models import switch_transformers
 from torch import nn
-from zerotest import Branchy, adamw_two_groups, assert_close, batches, make_pair, rank_world
+from zerotest import (
+    Branchy,
+    adamw_two_groups,
+    assert_close,
+    batches,
+    make_pair,
+    rank_world,
+    reference_step,
+)
 
 import zerodp
 
@@ -82,9 +91,7 @@ def _moe_steps(pair, world: int, rank: int, steps: int, skip_at: int | None) -> 
             skip = (1,) if step == skip_at and r == world - 1 else ()
             return F.mse_loss(m(x, _allowed(step, r), skip), y)
 
-        (sum(loss(pair.ref, r) for r in range(world)) / world).backward()
-        pair.ref_opt.step()
-        pair.ref_opt.zero_grad()
+        reference_step(pair, loss, world)
         loss(pair.model, rank).backward()
         pair.opt.step()
         pair.opt.zero_grad()
@@ -137,9 +144,7 @@ def case_branch_on_rank_zero() -> float:
             x, y = data[r]
             return F.mse_loss(m(x, use_branch=(r == 0)), y)
 
-        (sum(loss(pair.ref, r) for r in range(world)) / world).backward()
-        pair.ref_opt.step()
-        pair.ref_opt.zero_grad()
+        reference_step(pair, loss, world)
         loss(pair.model, rank).backward()
         pair.opt.step()
         pair.opt.zero_grad()
@@ -152,30 +157,6 @@ def test_unit_run_on_one_rank_only(world):
         assert max(world(n).run(case_branch_on_rank_zero, timeout=TIMEOUT)) <= 1e-6
 
 
-def _switch() -> nn.Module:
-    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
-
-    cfg = SwitchTransformersConfig(
-        vocab_size=64,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=2,
-        num_experts=EXPERTS,
-        expert_capacity=64,
-        encoder_sparse_step=1,
-        decoder_sparse_step=1,
-        dropout_rate=0.0,
-        router_jitter_noise=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return SwitchTransformersForConditionalGeneration(cfg)
-
-
 def case_switch(steps: int) -> dict:
     import transformers
 
@@ -183,7 +164,7 @@ def case_switch(steps: int) -> dict:
     rank, world = rank_world()
     # unit_min_numel 512: every block, every layer of a block and every expert is a unit.
     cfg = zerodp.ZeroConfig(stage=3, unit_min_numel=512)
-    pair = make_pair(_switch, adamw_two_groups, cfg)
+    pair = make_pair(lambda: switch_transformers(EXPERTS), adamw_two_groups, cfg)
     g = torch.Generator().manual_seed(3)
     worst = 0.0
     for step in range(steps):
@@ -193,9 +174,7 @@ def case_switch(steps: int) -> dict:
         def loss(m: nn.Module, r: int, ids=ids, labels=labels) -> torch.Tensor:
             return m(input_ids=ids[r], labels=labels[r]).loss
 
-        (sum(loss(pair.ref, r) for r in range(world)) / world).backward()
-        pair.ref_opt.step()
-        pair.ref_opt.zero_grad()
+        reference_step(pair, loss, world)
         loss(pair.model, rank).backward()
         pair.opt.step()
         pair.opt.zero_grad()
