@@ -193,7 +193,9 @@ def _build(config: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     model, zopt = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
 
     def zero_step(x: Any, y: Any, trace: AllocationTrace) -> None:
-        trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step)
+        trace.step(
+            zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step, zopt.wait_params
+        )
 
     return model, zopt, zero_step
 

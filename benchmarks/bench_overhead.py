@@ -136,11 +136,15 @@ def _profile(
 ) -> list[dict[str, Any]]:
     from torch.profiler import ProfilerActivity, profile
 
+    import zerodp
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(args.profile_steps):
             x, y = sampler.batch_at(1000 + step)
             dist.barrier()
             system.step(x, y)
+        if isinstance(system.opt, zerodp.ZeroOptimizer):
+            system.opt.wait_params()  # no gather in flight when the profiler stops (alloc_trace)
     rows = []
     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]:
         rows.append(

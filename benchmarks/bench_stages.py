@@ -319,6 +319,12 @@ class _Run:
     def _post_hook(self, *_: Any) -> None:
         self._t_inner = time.perf_counter() - self._t_pre
 
+    def settle(self) -> None:
+        """Wait for the parameter gather a zerodp step leaves in flight: a profiler must not stop
+        while a gloo worker thread reports to it (``zerodp.memory.alloc_trace``)."""
+        if self.stage is not None:
+            self.opt.wait_params()
+
     def step(self, x: Any, y: Any, record: bool) -> None:
         self._barrier()
         t0 = time.perf_counter()
@@ -387,6 +393,7 @@ def _profile(runs: list[_Run], sampler: Any, first_step: int, steps: int) -> dic
         for name in round_order(list(by_name), i):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 by_name[name].step(x, y, record=False)
+                by_name[name].settle()
             sample = {}
             for e in prof.key_averages():
                 if not e.key.startswith("ProfilerStep"):

@@ -67,7 +67,7 @@ def case_steps(stage: int, precision: str) -> dict[str, Any]:
     steps = []
     for _ in range(WARMUP + STEADY):
         with AllocationTrace() as trace:
-            trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step)
+            trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step, zopt.wait_params)
         allocs = trace.allocations
         engine = [a for a in allocs if a.phase in ("zero_grad", "step")]
         steps.append(

@@ -15,6 +15,11 @@ it allocated and left alive (``retained``); frees of older blocks are not report
 ``with trace.phase("backward"): ...`` inside the window names the allocations made meanwhile (on
 any thread: phases are told apart by time, so a gloo worker's allocation lands in the phase that
 was running when it happened); allocations outside every phase have phase ``None``.
+
+A window must not end while a collective it launched is still in flight: torch's profiler
+crashes the process (SIGSEGV in ``stop_trace``, seen in CI) when a gloo worker thread reports an
+allocation while the profiler stops. ``step`` therefore takes ``settle``, which waits for what
+the step left in flight (stages 1-2: ``opt.wait_params``, the deferred parameter gather).
 """
 
 from __future__ import annotations
@@ -88,9 +93,11 @@ class AllocationTrace:
         forward: Callable[[], torch.Tensor],
         backward: Callable[[torch.Tensor], Any],
         step: Callable[[], Any],
+        settle: Callable[[], Any] | None = None,
     ) -> None:
         """One training step, each of its four phases traced under its name; ``forward``
-        returns the loss that ``backward`` takes."""
+        returns the loss that ``backward`` takes. ``settle`` (in the step phase) waits for the
+        collectives the step left in flight (see the module docstring)."""
         with self.phase("zero_grad"):
             zero_grad()
         with self.phase("forward"):
@@ -99,6 +106,8 @@ class AllocationTrace:
             backward(loss)
         with self.phase("step"):
             step()
+            if settle is not None:
+                settle()
 
     @property
     def sizes(self) -> list[int]:
