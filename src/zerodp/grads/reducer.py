@@ -231,6 +231,8 @@ class GradReducer:
         self.grads_seen += 1
         if first_of_backward:
             self.take_replaced_grads(new_round=True)
+            if self._averaged:
+                self._reopen()
         in_place = self.mode is ReduceMode.SCATTER_IN_PLACE
         if first_of_backward and in_place and self.sync_enabled and self._rounds:
             raise RuntimeError(
@@ -255,6 +257,24 @@ class GradReducer:
         while self._next < len(order) and self._pending[order[self._next]] == 0:
             self._launch(order[self._next], first=self._next == 0)
             self._next += 1
+
+    def _reopen(self) -> None:
+        """[Note: accumulating across steps] A backward after ``finish`` (a step, a clip) with no
+        ``zero_grad`` in between adds to the reduced gradients, as torch accumulates into
+        ``.grad``. Stages 0 and 2 hold the average, equal on every rank (stage 2: the owned
+        shard), so reducing the sum again gives the old average plus the new one: the next
+        round starts afresh (also a round of ``no_sync`` backwards only, which ``finish``
+        reduces). Stage 1's buffer holds the average only in the owned slices, which a second
+        reduce-scatter would mix with local values: it raises instead."""
+        if self.mode is ReduceMode.SCATTER_IN_PLACE:
+            raise RuntimeError(
+                "zerodp stage 1 reduces a step's gradients exactly once, but a backward ran "
+                "after opt.step() (or clip_grad_norm_) without optimizer.zero_grad(): stage 1 "
+                "cannot accumulate gradients across steps; call optimizer.zero_grad() after "
+                "each step (stages 0, 2 and 3 accumulate across steps as torch does)"
+            )
+        self._averaged = False
+        self._rounds = 0
 
     def _adopt_grad(self, seg: int, slot: int, param: torch.Tensor) -> None:
         """If something replaced ``param.grad`` (``model.zero_grad()`` setting it to None, a

@@ -277,6 +277,7 @@ class Schedule:
             return
         self._backward_open = True
         self.check.backwards += 1
+        self.grads.open_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.bwd.begin(guess=self.fwd.last[::-1])
 

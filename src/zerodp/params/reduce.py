@@ -184,6 +184,14 @@ class ShardedGrads:
         self._inflight.wait_all()
         self._averaged = True
 
+    def open_backward(self) -> None:
+        """A backward starts: after ``finish`` with no ``zero_grad`` it adds to the averaged
+        shards, which a new round reduces correctly ([Note: accumulating across steps] in
+        grads/reducer.py)."""
+        if self._averaged:
+            self._averaged = False
+            self.rounds = 0
+
     def zero_grad(self) -> None:
         self._inflight.wait_all()  # never zero a buffer a collective is still writing
         for seg in self.segments:
