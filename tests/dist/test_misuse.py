@@ -340,11 +340,12 @@ def _try_step(opt: zerodp.ZeroOptimizer) -> str:
     return "ok"
 
 
-def case_step_without_backward(stage: int, model_name: str) -> dict:
+def case_step_without_backward(stage: int, model_name: str, root: str) -> dict:
     """Per policy: a step after zero_grad with a forward but no backward (torch updates
     nothing), a second step() on the same gradients (torch applies them again; 'raise'
     refuses), and (stages 0-2) a step at which rank 1 runs no forward or backward at all while
-    rank 0 does: not a step without backward. Parity with torch after every step."""
+    rank 0 does: not a step without backward. Parity with torch after every step. Then the
+    count as a checkpoint saved in ``root`` restores it."""
     rank, world = rank_world()
     out = {}
     for policy in ("warn", "raise", "ignore"):
@@ -391,28 +392,34 @@ def case_step_without_backward(stage: int, model_name: str) -> dict:
                 opt.zero_grad()
                 flags.append(opt.last_step.without_backward)
                 _check(model_name, model, ref, f"{policy} rank 1 without a batch")
+        zerodp.save_checkpoint(f"{root}/{policy}", model, opt)
+        resumed = make_pair(_factory(model_name), _optimizer(model_name), cfg)
+        zerodp.load_checkpoint(f"{root}/{policy}", resumed.model, resumed.opt)
         out[policy] = {
             "calls": calls,
             "flags": flags,
             "count": opt.steps_without_backward,
             "logs": logs,
+            "resumed count": resumed.opt.steps_without_backward,
         }
     return out
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_step_without_backward(world, stage, model_name):
+def test_step_without_backward(world, stage, model_name, tmp_path):
     assert zerodp.ZeroConfig().step_without_backward == "warn"
     ok = ["ok"] * (4 if stage == 3 else 5)
     last = [] if stage == 3 else [False]
-    for out in world(2).run(case_step_without_backward, stage, model_name, timeout=TIMEOUT):
+    root = str(tmp_path)
+    for out in world(2).run(case_step_without_backward, stage, model_name, root, timeout=TIMEOUT):
         warn = [NO_BACKWARD_WARN.format(step=2, n=1), NO_BACKWARD_WARN.format(step=4, n=2)]
         assert out["warn"] == {
             "calls": ok,
             "flags": [False, True, True, *last],
             "count": 2,
             "logs": warn,
+            "resumed count": 2,
         }, out["warn"]
         # 'raise': the refused calls are no steps (step 2 is then the one after the backward).
         raising = [NO_BACKWARD_RAISE.format(step=2), NO_BACKWARD_RAISE.format(step=3)]
@@ -421,12 +428,14 @@ def test_step_without_backward(world, stage, model_name):
             "flags": [False, False, False, *last],
             "count": 2,
             "logs": [],
+            "resumed count": 2,
         }, out["raise"]
         assert out["ignore"] == {
             "calls": ok,
             "flags": [False, True, True, *last],
             "count": 2,
             "logs": [],
+            "resumed count": 2,
         }, out["ignore"]
 
 

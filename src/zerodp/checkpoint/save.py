@@ -61,7 +61,10 @@ if TYPE_CHECKING:
 # Test hook: the rank whose number this names exits abruptly halfway through writing its file,
 # as a killed process would (tests/dist/test_checkpoint.py). Read at save time.
 CRASH_ENV = "ZERODP_TEST_CRASH_DURING_SAVE"
-COUNTERS = ("skipped_steps",)  # engine counters besides ``steps`` that a resume continues
+COUNTERS = (
+    "skipped_steps",
+    "steps_without_backward",
+)  # engine counters besides ``steps`` that a resume continues
 
 
 @dataclass
