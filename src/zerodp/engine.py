@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
+from zerodp.grads.sync import GradSync
 from zerodp.optim import misuse
 from zerodp.optim.agreement import (
     KeptGrads,
@@ -55,7 +56,6 @@ from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.nocompile import refuse_compile
 from zerodp.params.order import Op
-from zerodp.params.reduce import ShardedGrads
 from zerodp.params.segment import ShardedSegment
 from zerodp.partition.layout import ParamSpec, build_layout
 from zerodp.partition.segment import Segment
@@ -74,7 +74,7 @@ class ZeroEngine:
     segments: list[Segment]
     frozen: list[tuple[str, nn.Parameter]]
     params: ShardedParams | None  # stage 3: units and their lifecycle (zerodp.params)
-    reducer: GradReducer | ShardedGrads
+    reducer: GradSync
     pieces: list[OptimPiece]
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
     masters: Masters
@@ -420,8 +420,6 @@ class ZeroEngine:
                 "precision='fp16' scales the loss: call opt.backward(loss) instead of "
                 "loss.backward() (the only change fp16 needs in the training loop)"
             )
-        if isinstance(self.reducer, GradReducer):
-            self.reducer.adopt_recorded_order()  # once ([Note: launch order])
         nonfinite = False
         if self.chunked is not None and self.plan.check_finite:
             nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from zerodp.config import ZeroConfig
-from zerodp.grads.reducer import ReduceMode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALIGN_BYTES = 16  # every parameter and every rank's slice starts 16-byte aligned (vector loads)
+
+
+class ReduceMode(enum.Enum):
+    """How stages 0-2 hold and reduce gradients (``grads.reducer`` describes each)."""
+
+    ALL_REDUCE = "all_reduce"
+    SCATTER_IN_PLACE = "scatter_in_place"
+    SCATTER_STAGED = "scatter_staged"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,5 +1,6 @@
-"""Gradient reduction: bucketed all-reduce / reduce-scatter overlapping backward."""
+"""Gradient synchronisation: bucketed all-reduce / reduce-scatter overlapping backward."""
 
-from zerodp.grads.reducer import GradReducer, ReduceMode
+from zerodp.grads.reducer import GradReducer
+from zerodp.grads.sync import GradSync
 
-__all__ = ["GradReducer", "ReduceMode"]
+__all__ = ["GradReducer", "GradSync"]

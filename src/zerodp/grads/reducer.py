@@ -14,9 +14,10 @@ backward at all).
 [Note: launch order] The first launch order is the layout's (reversed registration order, a
 guess at the order backward produces gradients). During the first synchronised backward the
 reducer records the order in which buckets actually complete; ``adopt_recorded_order`` (called
-by the engine once, at the first step) makes rank 0's record the launch order of every rank from
-then on, as DDP rebuilds its buckets after the first iteration. Which parameters share a bucket
-(and so which slice each rank owns) does not change: the optimizer state is already laid out.
+by the first ``finish``, on every rank at the same point) makes rank 0's record the launch order
+of every rank from then on, as DDP rebuilds its buckets after the first iteration. Which
+parameters share a bucket (and so which slice each rank owns) does not change: the optimizer
+state is already laid out.
 
 Three modes, one per way of holding gradients:
 
@@ -50,7 +51,6 @@ goes to the engine ([Note: model.zero_grad] in ``module.py``).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,12 +62,7 @@ from zerodp.grads.inflight import InFlight
 from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range, zeros_like_shard
 from zerodp.partition.layout import Range
 from zerodp.partition.segment import Segment, flat_view
-
-
-class ReduceMode(enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    SCATTER_IN_PLACE = "scatter_in_place"
-    SCATTER_STAGED = "scatter_staged"
+from zerodp.plan import ReduceMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +421,7 @@ class GradReducer:
             self._reset_backward()
         self._inflight.wait_all()
         self._averaged = True
+        self.adopt_recorded_order()  # once ([Note: launch order])
 
     def zero_grad(self) -> None:
         self._inflight.wait_all()  # never zero a buffer a collective is still writing
