@@ -38,10 +38,7 @@ from zerodp.optim.agreement import (
     check_added_group,
     check_unfrozen,
 )
-from zerodp.optim.chunked import ChunkedGrads
-from zerodp.optim.clip import clip_grad_norm
 from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
-from zerodp.optim.finite import FiniteCheck
 from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
@@ -52,6 +49,7 @@ from zerodp.optim.pieces import (
     rebind_optimizer,
     replace_pieces,
 )
+from zerodp.optim.runner import StepRunner, make_runner
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.nocompile import refuse_compile
@@ -78,7 +76,7 @@ class ZeroEngine:
     pieces: list[OptimPiece]
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
     masters: Masters
-    chunked: ChunkedGrads | None  # mixed precision: the step through an fp32 scratch
+    runner: StepRunner  # how the optimizer step runs (fp32 whole, mixed chunked)
     scaler: DynamicLossScaler | None  # fp16 only
     steps: int  # optimizer steps attempted (skipped ones included)
     skipped_steps: int
@@ -137,7 +135,7 @@ class ZeroEngine:
             self.reducer = self._grad_reducer()
         self.pieces = self._build_pieces()
         rebind_optimizer(optimizer, self.pieces, self.segments)
-        self.chunked = self._chunked()
+        self.runner = self._runner()
         # Stage 3's persistent parameters may be read anywhere: their gather is not deferred.
         self.param_gather = DeferredGather(
             [s for s in self.segments if not isinstance(s, ShardedSegment)],
@@ -166,8 +164,6 @@ class ZeroEngine:
         self._seen_at_step = 0  # reducer.grads_seen at the end of the last step
         self._losses = misuse.LossCheck()
         self._staleness = misuse.Staleness()
-        device = self.segments[0].device if self.segments else torch.device("cpu")
-        self.finite = FiniteCheck(device) if plan.check_finite and not plan.mixed else None
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self.kept_grads = KeptGrads(self.segments)
         self._grad_norm: float | None = None
@@ -255,11 +251,13 @@ class ZeroEngine:
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, self._groups, master, grads)
 
-    def _chunked(self) -> ChunkedGrads | None:
-        if not self.plan.mixed:  # [Note: chunked fp32 gradients] in optim/chunked.py
-            return None
-        return ChunkedGrads(
-            self.segments, self.pieces, sharded=self.masters.sharded, rank=self.comm.rank
+    def _runner(self) -> StepRunner:
+        return make_runner(
+            self.segments,
+            self.pieces,
+            mixed=self.plan.mixed,
+            sharded=self.plan.shard_optimizer,
+            rank=self.comm.rank,
         )
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -306,7 +304,7 @@ class ZeroEngine:
     def _rebind_pieces(self) -> None:
         old, self.pieces = self.pieces, self._build_pieces()
         replace_pieces(self.optimizer, old, self.pieces)
-        self.chunked = self._chunked()
+        self.runner = self._runner()
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """[Note: param groups added after initialize] ``opt.add_param_group`` as in torch (the
@@ -420,20 +418,15 @@ class ZeroEngine:
                 "precision='fp16' scales the loss: call opt.backward(loss) instead of "
                 "loss.backward() (the only change fp16 needs in the training loop)"
             )
-        nonfinite = False
-        if self.chunked is not None and self.plan.check_finite:
-            nonfinite = self.chunked.check_finite(self.reducer, self._inv_scale())
-        elif self.finite is not None:
-            nonfinite = self.finite.nonfinite(self.reducer, self.segments, self.comm.rank)
+        check = self.plan.check_finite
+        nonfinite = check and self.runner.nonfinite(self.reducer, self._inv_scale())
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
         mine = StepFlags(nonfinite, self._losses.nonfinite(), backward)
         used, flags = agree_on_step(self.comm, has_grad, self.segments, self.frozen, mine)
         self._used, self._flags = used, flags
         self._skip = flags.nonfinite_grads or (self.scaler is None and flags.nonfinite_loss)
-        if self.chunked is None:  # fp32: the optimizer steps views of the reduced gradients
-            for op in self.pieces:
-                op.tensor.grad = op.grad if used[op.seg][op.slot] else None
+        self.runner.bind(used)
         self._grads_final = True
         self._check_nonfinite()
 
@@ -478,10 +471,7 @@ class ZeroEngine:
             )
         else:
             reason = None
-            if self.chunked is not None:
-                self.chunked.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
-            else:
-                self.optimizer.step()
+            self.runner.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
             self.publish_params()
         if self.scaler is not None:
             self.scaler.update(finite=not self._skip)
@@ -496,8 +486,7 @@ class ZeroEngine:
         return loss
 
     def _end_step(self) -> None:
-        if self.chunked is not None:
-            self.chunked.reset()
+        self.runner.reset()
         self._grads_final = False
         self._skip = False
         self._flags = StepFlags()
@@ -527,8 +516,7 @@ class ZeroEngine:
         self.reducer.zero_grad()
         for op in self.pieces:
             op.tensor.grad = None
-        if self.chunked is not None:
-            self.chunked.reset()
+        self.runner.reset()
         self._grads_final = False
         self._skip = False
         self._losses.reset()
@@ -537,16 +525,8 @@ class ZeroEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.comm.progress.enter("gradient clipping")
         self.finish_gradients()
-        if self.chunked is not None:
-            norm = self.chunked.clip(
-                self.reducer, self._inv_scale(), self._used, max_norm, norm_type, self.comm
-            )
-            self._grad_norm = float(norm)
-            return norm
-        grads = [op.tensor.grad for op in self.pieces if op.tensor.grad is not None]
-        device = self.segments[0].device if self.segments else torch.device("cpu")
-        norm = clip_grad_norm(
-            grads, max_norm, norm_type, self.comm, sharded=self.plan.shard_optimizer, device=device
+        norm = self.runner.clip(
+            self.reducer, self._inv_scale(), self._used, max_norm, norm_type, self.comm
         )
         self._grad_norm = float(norm)
         return norm

@@ -152,7 +152,7 @@ def measure(engine: ZeroEngine) -> MemoryReport:
         optimizer_scalar_bytes=scalar_bytes,
         comm_buffers=engine.reducer.buffer_bytes(),
         frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
-        step_transient=engine.chunked.nbytes if engine.chunked is not None else 0,
+        step_transient=engine.runner.nbytes,
         precision=engine.config.precision,
         theory=_theory(engine, num, elsize),
         **stage3,

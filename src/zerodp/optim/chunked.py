@@ -11,7 +11,7 @@ unit's shard), not by the model. Every optimizer piece lies in one bucket, hence
 Filling the scratch for a chunk is always the same: upcast the reduced compute-dtype gradient,
 multiply by 1/loss_scale, then by each clip coefficient of this step, in order.
 
-- ``check_finite`` (pass 1, ``finish_gradients``): fill each chunk and accumulate the non-finite
+- ``nonfinite`` (pass 1, ``finish_gradients``): fill each chunk and accumulate the non-finite
   flag with ``torch._amp_foreach_non_finite_check_and_unscale_`` (inverse scale 1: a check only)
   into a persistent one-element tensor: nothing proportional to the chunk is allocated;
 - ``clip`` (``clip_grad_norm_``): fill each chunk, ``torch._foreach_norm`` of its used pieces;
@@ -97,7 +97,7 @@ class ChunkedGrads:
             buf.mul_(coef)
         return buf
 
-    def check_finite(self, reducer: ReducedGrads, scale: float) -> bool:
+    def nonfinite(self, reducer: ReducedGrads, scale: float) -> bool:
         """Whether some owned gradient element is not finite (after unscaling)."""
         self._found_inf.zero_()
         for c in self.chunks:
@@ -155,6 +155,9 @@ class ChunkedGrads:
             finally:
                 for k, _, _ in mine:
                     self.pieces[k].tensor.grad = None
+
+    def bind(self, used: list[list[bool]]) -> None:
+        """Nothing: ``.grad`` points at the scratch only inside ``step``."""
 
     def _used(self, k: int, used: list[list[bool]]) -> bool:
         op = self.pieces[k]

@@ -1,0 +1,135 @@
+"""``StepRunner``: how the optimizer step runs over the reduced gradients, chosen once from the
+plan, so that the engine's step has no precision branch.
+
+- ``WholeStep`` (fp32): the optimizer steps the owned pieces with ``.grad`` bound to views of the
+  reduced gradient storage; clipping and the non-finite check read that storage in place.
+- ``ChunkedGrads`` (bf16/fp16, ``optim/chunked.py``): bucket by bucket through a constant-size
+  fp32 scratch ([Note: chunked fp32 gradients]).
+
+Where offload plugs in: a runner that steps pieces held in host memory is a third
+implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from zerodp.comm import Communicator
+from zerodp.optim.chunked import ChunkedGrads
+from zerodp.optim.clip import clip_grad_norm
+from zerodp.optim.finite import FiniteCheck
+from zerodp.optim.masters import ReducedGrads
+from zerodp.optim.pieces import OptimPiece
+from zerodp.partition.segment import Segment
+
+
+class StepRunner(Protocol):
+    def nonfinite(self, grads: ReducedGrads, inv_scale: float) -> bool:
+        """Whether some owned gradient element is NaN/inf (after unscaling); this rank only."""
+
+    def bind(self, used: list[list[bool]]) -> None:
+        """The step's gradients are final: expose them to the user's optimizer where it reads
+        them outside ``step`` (fp32: ``.grad`` of the used pieces)."""
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+    ) -> None: ...
+
+    def clip(
+        self,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+        max_norm: float,
+        norm_type: float,
+        comm: Communicator,
+    ) -> torch.Tensor:
+        """``clip_grad_norm_`` over the owned gradients: the global norm, applied to this
+        step's gradients."""
+
+    def reset(self) -> None:
+        """Forget this step's clip coefficients (after the step, at ``zero_grad``)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the runner holds for the step (the chunked scratch)."""
+
+
+class WholeStep:
+    """fp32: the user's optimizer steps views of the reduced gradients."""
+
+    def __init__(
+        self,
+        segments: list[Segment],
+        pieces: list[OptimPiece],
+        *,
+        sharded: bool,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        self.segments = segments
+        self.pieces = pieces
+        self.sharded = sharded
+        self.rank = rank
+        self.device = device
+        self._finite: FiniteCheck | None = None  # allocated at the first check
+
+    def nonfinite(self, grads: ReducedGrads, inv_scale: float) -> bool:
+        if self._finite is None:
+            self._finite = FiniteCheck(self.device)
+        return self._finite.nonfinite(grads, self.segments, self.rank)
+
+    def bind(self, used: list[list[bool]]) -> None:
+        for op in self.pieces:
+            op.tensor.grad = op.grad if used[op.seg][op.slot] else None
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+    ) -> None:
+        optimizer.step()
+
+    def clip(
+        self,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+        max_norm: float,
+        norm_type: float,
+        comm: Communicator,
+    ) -> torch.Tensor:
+        bound = [op.tensor.grad for op in self.pieces if op.tensor.grad is not None]
+        return clip_grad_norm(
+            bound, max_norm, norm_type, comm, sharded=self.sharded, device=self.device
+        )
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def make_runner(
+    segments: list[Segment],
+    pieces: list[OptimPiece],
+    *,
+    mixed: bool,
+    sharded: bool,
+    rank: int,
+) -> StepRunner:
+    """The runner for these pieces (rebuilt whenever the pieces are)."""
+    if mixed:
+        return ChunkedGrads(segments, pieces, sharded=sharded, rank=rank)
+    device = segments[0].device if segments else torch.device("cpu")
+    return WholeStep(segments, pieces, sharded=sharded, rank=rank, device=device)
