@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_leaves
 
 from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
-from zerodp.grads.reducer import GradReducer
 from zerodp.grads.sync import GradSync
 from zerodp.optim import misuse
 from zerodp.optim.agreement import (
@@ -50,12 +49,10 @@ from zerodp.optim.pieces import (
     replace_pieces,
 )
 from zerodp.optim.runner import StepRunner, make_runner
-from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
-from zerodp.params.nocompile import refuse_compile
 from zerodp.params.order import Op
-from zerodp.params.segment import ShardedSegment
-from zerodp.partition.layout import ParamSpec, build_layout
+from zerodp.params.sync import make_param_sync
+from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
 from zerodp.validation import agree, check_devices, fingerprint
@@ -104,23 +101,13 @@ class ZeroEngine:
 
         self._fp32_ids = batchnorm_param_ids(model) if self.plan.mixed else set()
         self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
-        self.params = None
-        if self.plan.shard_params:  # [stage 3] units are built (and broadcast) by zerodp.params
-            optimized = set(self._groups)
-            self.params = ShardedParams(
-                model,
-                trainable,
-                optimized,
-                self.plan,
-                config,
-                self.comm,
-                self._fp32_ids,
-                stage3 or Stage3Options(),
-            )
-            self.segments = self.params.segments
-        else:
-            self.segments = self._build_segments(trainable)
-            self._broadcast_segments()
+        optimized = set(self._groups)
+        fp32 = self._fp32_ids
+        self.param_sync = make_param_sync(
+            model, trainable, optimized, self.plan, config, self.comm, fp32, stage3
+        )
+        self.params = self.param_sync.sharded
+        self.segments = self.param_sync.segments
         plan = self.plan
         self.masters = Masters(
             self.segments, separate=plan.mixed, sharded=plan.shard_optimizer, rank=self.comm.rank
@@ -129,29 +116,19 @@ class ZeroEngine:
         if plan.mixed:
             self._cast_to_compute_dtype()
         self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
-        if self.params is not None:  # [stage 3] per-unit reduce-scatters, run by its hooks
-            self.reducer = self.params.start(self.masters, self._reduce_dtype)
-        else:
-            self.reducer = self._grad_reducer()
+        self.reducer = self._grad_sync()
         self.pieces = self._build_pieces()
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.runner = self._runner()
-        # Stage 3's persistent parameters may be read anywhere: their gather is not deferred.
-        self.param_gather = DeferredGather(
-            [s for s in self.segments if not isinstance(s, ShardedSegment)],
-            self.comm,
-            overlap=config.overlap_param_gather and self.params is None,
-        )
-        if plan.gather_params:
-            self.param_gather.register_hooks(model)
+        self.param_gather = self.param_sync.gather
+        self._hooks += self.param_sync.install(model)
         self.optimizer = optimizer
         self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
         # Before the schedule's root hook and the parameter-gather waits: [Note: unfreezing].
         self._hooks.append(model.register_forward_pre_hook(self._adopt_unfrozen, prepend=True))
-        if self.params is not None:  # [stage 3] see params/nocompile.py
-            self._hooks.append(model.register_forward_pre_hook(refuse_compile, prepend=True))
+        self._hooks += self.param_sync.guard(model)
         # First of all: stage 3 gathers (a collective) in its own root hook.
         self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
         self.steps = 0
@@ -177,40 +154,6 @@ class ZeroEngine:
 
     # -- construction --------------------------------------------------------------------------
 
-    def _build_segments(
-        self, trainable: list[tuple[str, nn.Parameter]], first: int = 0
-    ) -> list[Segment]:
-        # DDP's order: reversed registration order approximates the order gradients are ready.
-        ordered = list(reversed(trainable))
-        by_kind: dict[tuple[torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
-        for name, p in ordered:
-            key = (p.dtype, p.device, id(p) in self._fp32_ids)
-            by_kind.setdefault(key, []).append((name, p))
-        segments = []
-        for i, ((dtype, _, keep_fp32), items) in enumerate(by_kind.items()):
-            # Buckets and alignment are sized for the dtype the segment is stored in.
-            if self.plan.mixed and not keep_fp32:
-                dtype = self.plan.compute_dtype
-            specs = [ParamSpec(n, tuple(p.shape)) for n, p in items]
-            layout = build_layout(
-                specs,
-                self.comm.world_size,
-                self.plan.bucket_numel(dtype),
-                self.plan.align(dtype),
-            )
-            params, names = [p for _, p in items], [n for n, _ in items]
-            segments.append(Segment.build(first + i, layout, params, names))
-        return segments
-
-    def _broadcast_segments(self) -> None:
-        """Start from rank 0's trainable parameters, as DDP does (stage 3 broadcasts units while
-        it builds them)."""
-        if self.comm.world_size == 1:
-            return
-        with torch.no_grad():
-            for seg in self.segments:
-                self.comm.broadcast(seg.param_buffer)
-
     def _broadcast_frozen_and_buffers(self) -> None:
         """Rank 0's frozen parameters (after the compute-dtype cast: the same values) and
         buffers."""
@@ -228,11 +171,8 @@ class ZeroEngine:
             self.model, self.segments, self.frozen, self._fp32_ids, dtype
         )
 
-    def _grad_reducer(self) -> GradReducer:
-        reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode, self._reduce_dtype)
-        reducer.register_hooks()
-        reducer.on_replaced = self._on_grads_replaced
-        return reducer
+    def _grad_sync(self) -> GradSync:
+        return self.param_sync.grad_sync(self.masters, self._reduce_dtype, self._on_grads_replaced)
 
     def _on_grads_replaced(self, replaced: list[list[bool]]) -> None:
         """[Note: replaced gradients] in grads/reducer.py: a replaced ``.grad`` is kept no more;
@@ -280,7 +220,9 @@ class ZeroEngine:
         """Segments, masters, gather and pieces for trainable parameters that have none, and a
         reducer over every segment; ``broadcast``: parameters new to zerodp (rank 0's values)."""
         self.param_gather.wait_all()
-        new = self._build_segments(named, first=len(self.segments))
+        new = build_segments(
+            named, self.plan, self.comm.world_size, self._fp32_ids, first=len(self.segments)
+        )
         if broadcast and self.comm.world_size > 1:
             with torch.no_grad():
                 for seg in new:
@@ -291,13 +233,9 @@ class ZeroEngine:
             if self.plan.mixed and id(seg.params[0]) not in self._fp32_ids:
                 seg.cast_(self.plan.compute_dtype)
         seen = self.reducer.grads_seen
-        if self.params is None:
-            self.reducer.remove_hooks()
-            self.reducer = self._grad_reducer()
-        else:  # [stage 3] persistent segments
-            self.reducer = self.params.adopt([s.index for s in new], self._reduce_dtype)
+        self.param_sync.adopt(new)  # [stage 3] persistent segments
+        self.reducer = self._grad_sync()
         self.reducer.grads_seen = seen
-        self.param_gather.add(new)
         self.kept_grads.add(new)
         self._rebind_pieces()
 
@@ -352,8 +290,7 @@ class ZeroEngine:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._broadcasts_buffers(module):
-            if self.params is not None:  # [stage 3] a collective like the others: checked first
-                self.params.check(Op.BUFFERS)
+            self.param_sync.check(Op.BUFFERS)
             with torch.no_grad():
                 for b in module.buffers():
                     self.comm.broadcast(b)
@@ -499,12 +436,7 @@ class ZeroEngine:
         all-gather the owned slices (stages 1-2), waited for by the next forward or reader
         ([Note: deferred parameter gather]). Also what a checkpoint load calls after writing
         the owned masters."""
-        if self.params is not None:  # [stage 3] gathered copies are stale now: release them
-            self.params.reset()
-        self.param_gather.wait_all()
-        self.masters.publish()
-        if self.plan.gather_params:
-            self.param_gather.launch()
+        self.param_sync.publish(self.masters)
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gather of the last step (stages 1-2): afterwards every
@@ -542,11 +474,7 @@ class ZeroEngine:
         return sum(s.numel for s in self.segments)
 
     def remove(self) -> None:
-        self.param_gather.wait_all()
-        self.param_gather.remove_hooks()
-        self.reducer.remove_hooks()
-        if self.params is not None:
-            self.params.remove()
+        self.param_sync.remove()
         for h in self._hooks:
             h.remove()
 

@@ -27,7 +27,9 @@ from zerotest import Pair, rank_world, synced_step
 import zerodp
 from zerodp import api, engine
 from zerodp.grads.reducer import GradReducer
+from zerodp.optim import runner
 from zerodp.params.deferred import DeferredGather
+from zerodp.params import sync as param_sync
 from zerodp.params.manager import ShardedParams
 from zerodp.partition.segment import Segment
 
@@ -72,14 +74,14 @@ POINTS: dict[str, tuple[Callable[[], contextlib.AbstractContextManager[Any]], se
     "class swap": (partial(_instead, api, "zero_class"), ALL),
     "agreement": (partial(_after, engine, "agree"), ALL),
     "flat segments": (partial(_after, Segment, "build"), S012),
-    "broadcast segments": (partial(_after, engine.ZeroEngine, "_broadcast_segments"), S012),
-    "stage-3 units": (partial(_after, engine, "ShardedParams"), {"s3"}),
+    "replicated segments": (partial(_after, param_sync, "ReplicatedParams"), S012),
+    "stage-3 units": (partial(_after, param_sync, "ShardedParams"), {"s3"}),
     "stage-3 start": (partial(_after, ShardedParams, "start"), {"s3"}),
     "masters": (partial(_after, engine, "Masters"), ALL),
     "cast": (partial(_after, engine.ZeroEngine, "_cast_to_compute_dtype"), {"mixed"}),
     "reducer hooks": (partial(_after, GradReducer, "register_hooks"), S012),
     "rebind optimizer": (partial(_after, engine, "rebind_optimizer"), ALL),
-    "chunked step": (partial(_after, engine, "ChunkedGrads"), {"mixed"}),
+    "chunked step": (partial(_after, runner, "ChunkedGrads"), {"mixed"}),
     "gather hooks": (partial(_after, DeferredGather, "register_hooks"), {"s12"}),
     "frozen broadcast": (
         partial(_instead, engine.ZeroEngine, "_broadcast_frozen_and_buffers"),

@@ -1,0 +1,209 @@
+"""``ParamSync``: how parameters are kept in sync across ranks, chosen once from the plan.
+
+- ``ReplicatedParams`` (stages 0-2): every rank holds every parameter; after a step the owners'
+  updated slices are all-gathered (stages 1-2, [Note: deferred parameter gather]); gradients
+  go through ``grads.reducer.GradReducer``.
+- ``ShardedParamSync`` (stage 3): parameters sharded at rest, gathered per unit by the schedule
+  (``params.manager.ShardedParams``); the small persistent parameters are replicated and
+  gathered after the step like stages 1-2; gradients go through ``params.reduce.ShardedGrads``.
+
+The engine builds one, takes its segments, asks it for the gradient synchroniser, tells it when
+a step has written the masters (``publish``), and hands it parameters adopted later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zerodp.comm import Communicator
+from zerodp.config import ZeroConfig
+from zerodp.grads.reducer import GradReducer
+from zerodp.grads.sync import GradSync
+from zerodp.optim.masters import Masters
+from zerodp.params.deferred import DeferredGather
+from zerodp.params.manager import ShardedParams, Stage3Options
+from zerodp.params.nocompile import refuse_compile
+from zerodp.params.order import Op
+from zerodp.partition.build import build_segments
+from zerodp.partition.segment import Segment
+from zerodp.plan import Plan
+
+Named = list[tuple[str, nn.Parameter]]
+OnReplaced = Callable[[list[list[bool]]], None]
+
+
+class ParamSync(Protocol):
+    segments: list[Segment]  # every trainable parameter's segment (appended to on adoption)
+    gather: DeferredGather  # the after-step all-gather of the replicated segments
+
+    @property
+    def sharded(self) -> ShardedParams | None:
+        """Stage 3's units (gathers on access, pins, state dicts); None at stages 0-2."""
+
+    def grad_sync(
+        self, masters: Masters, reduce_dtype: torch.dtype | None, on_replaced: OnReplaced
+    ) -> GradSync:
+        """The gradient synchroniser over every segment, its hooks registered (after the
+        segments took their final dtype). Called again after adoption: a new one."""
+
+    def adopt(self, new: list[Segment]) -> None:
+        """``new`` was appended to ``segments`` (parameters unfrozen or added after
+        ``initialize``); the next ``grad_sync`` covers them."""
+
+    def install(self, model: nn.Module) -> list[Any]:
+        """Forward hooks of the parameter gather (stages 1-2: waits before each module's
+        forward); handles the engine removes (others are removed by ``remove``)."""
+
+    def guard(self, model: nn.Module) -> list[Any]:
+        """Root pre-hooks that refuse what this sync cannot do (stage 3: ``torch.compile``),
+        prepended after the engine's unfreezing hook; their handles."""
+
+    def check(self, op: Op) -> None:
+        """Before a collective outside the step's schedule that every rank issues (buffer
+        broadcasts, checkpoints): stage 3 agrees on it with every rank first."""
+
+    def publish(self, masters: Masters) -> None:
+        """The masters were written (a step, a checkpoint load): make the parameters follow."""
+
+    def remove(self) -> None: ...
+
+
+class ReplicatedParams:
+    """Stages 0-2 (see the module docstring)."""
+
+    sharded: None = None
+
+    def __init__(
+        self, trainable: Named, plan: Plan, config: ZeroConfig, comm: Communicator, fp32: set[int]
+    ) -> None:
+        self.plan = plan
+        self.comm = comm
+        self.segments = build_segments(trainable, plan, comm.world_size, fp32)
+        # Start from rank 0's trainable parameters, as DDP does.
+        if comm.world_size > 1:
+            with torch.no_grad():
+                for seg in self.segments:
+                    comm.broadcast(seg.param_buffer)
+        self.gather = DeferredGather(self.segments, comm, overlap=config.overlap_param_gather)
+        self._reducer: GradReducer | None = None
+
+    def grad_sync(
+        self, masters: Masters, reduce_dtype: torch.dtype | None, on_replaced: OnReplaced
+    ) -> GradSync:
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+        reducer = GradReducer(self.segments, self.comm, self.plan.reduce_mode, reduce_dtype)
+        reducer.register_hooks()
+        reducer.on_replaced = on_replaced
+        self._reducer = reducer
+        return reducer
+
+    def adopt(self, new: list[Segment]) -> None:
+        self.gather.add(new)
+
+    def install(self, model: nn.Module) -> list[Any]:
+        if self.plan.gather_params:
+            self.gather.register_hooks(model)
+        return []
+
+    def guard(self, model: nn.Module) -> list[Any]:
+        return []
+
+    def check(self, op: Op) -> None:
+        pass  # stages 0-2 issue the same collectives in the same order on every rank
+
+    def publish(self, masters: Masters) -> None:
+        self.gather.wait_all()
+        masters.publish()
+        if self.plan.gather_params:
+            self.gather.launch()
+
+    def remove(self) -> None:
+        self.gather.wait_all()
+        self.gather.remove_hooks()
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+
+
+class ShardedParamSync:
+    """Stage 3 (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        trainable: Named,
+        optimized: set[int],
+        plan: Plan,
+        config: ZeroConfig,
+        comm: Communicator,
+        fp32: set[int],
+        options: Stage3Options,
+    ) -> None:
+        self.plan = plan
+        args = (model, trainable, optimized, plan, config, comm, fp32, options)
+        self.sharded: ShardedParams = ShardedParams(*args)
+        self.segments = self.sharded.segments
+        persistent = [s for _, s in self.sharded.persistent_segments()]
+        # Persistent parameters may be read anywhere: their gather is waited for in the step.
+        self.gather = DeferredGather(persistent, comm, overlap=False)
+        self._grads: GradSync | None = None
+        self._adopted: list[int] = []
+
+    def grad_sync(
+        self, masters: Masters, reduce_dtype: torch.dtype | None, on_replaced: OnReplaced
+    ) -> GradSync:
+        # Gradients are never replaced behind stage 3's back: they live in its shards.
+        if self._grads is None:
+            self._grads = self.sharded.start(masters, reduce_dtype)
+        else:
+            self._grads = self.sharded.adopt(self._adopted, reduce_dtype)
+            self._adopted = []
+        return self._grads
+
+    def adopt(self, new: list[Segment]) -> None:
+        self._adopted += [s.index for s in new]
+        self.gather.add(new)
+
+    def install(self, model: nn.Module) -> list[Any]:
+        return []  # persistent parameters are gathered inside the step, not waited for
+
+    def guard(self, model: nn.Module) -> list[Any]:
+        return [model.register_forward_pre_hook(refuse_compile, prepend=True)]
+
+    def check(self, op: Op) -> None:
+        self.sharded.check(op)
+
+    def publish(self, masters: Masters) -> None:
+        self.sharded.reset()  # gathered copies are stale now: release them
+        self.gather.wait_all()
+        masters.publish()
+        if self.plan.gather_params:
+            self.gather.launch()
+
+    def remove(self) -> None:
+        self.gather.wait_all()
+        self.gather.remove_hooks()
+        if self._grads is not None:
+            self._grads.remove_hooks()
+        self.sharded.remove()
+
+
+def make_param_sync(
+    model: nn.Module,
+    trainable: Named,
+    optimized: set[int],
+    plan: Plan,
+    config: ZeroConfig,
+    comm: Communicator,
+    fp32: set[int],
+    stage3: Stage3Options | None,
+) -> ParamSync:
+    """The plan's parameter sync; builds (and broadcasts from rank 0) the segments."""
+    if plan.shard_params:
+        options = stage3 or Stage3Options()
+        return ShardedParamSync(model, trainable, optimized, plan, config, comm, fp32, options)
+    return ReplicatedParams(trainable, plan, config, comm, fp32)
