@@ -38,7 +38,8 @@ from zerodp.optim.agreement import (
     check_unfrozen,
 )
 from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
-from zerodp.optim.loss_scaler import DynamicLossScaler, StepInfo
+from zerodp.optim.loss_policy import LossPolicy, make_loss_policy
+from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import (
     OptimPiece,
@@ -74,7 +75,7 @@ class ZeroEngine:
     optimizer: torch.optim.Optimizer  # the user's, rebound to pieces
     masters: Masters
     runner: StepRunner  # how the optimizer step runs (fp32 whole, mixed chunked)
-    scaler: DynamicLossScaler | None  # fp16 only
+    loss: LossPolicy  # loss scaling (fp16) or checking (fp32, bf16)
     steps: int  # optimizer steps attempted (skipped ones included)
     skipped_steps: int
     steps_without_backward: int  # step() calls with no gradient produced since the last step
@@ -123,7 +124,8 @@ class ZeroEngine:
         self.param_gather = self.param_sync.gather
         self._hooks += self.param_sync.install(model)
         self.optimizer = optimizer
-        self.scaler = DynamicLossScaler.from_config(config) if plan.loss_scaling else None
+        self.loss = make_loss_policy(plan, config)
+        self.scaler = self.loss.scaler  # fp16 only (the checkpoint and opt.loss_scale read it)
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
         # Before the schedule's root hook and the parameter-gather waits: [Note: unfreezing].
@@ -139,7 +141,6 @@ class ZeroEngine:
         self._skip = False  # the current step's gradients are not finite somewhere
         self._flags = StepFlags()  # the agreed flags of the current step
         self._seen_at_step = 0  # reducer.grads_seen at the end of the last step
-        self._losses = misuse.LossCheck()
         self._staleness = misuse.Staleness()
         self._used: list[list[bool]] = []  # per segment, per parameter: some rank has a grad
         self.kept_grads = KeptGrads(self.segments)
@@ -335,11 +336,7 @@ class ZeroEngine:
         """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
         checked too, ``ZeroConfig.nonfinite``; a device flag, no synchronisation)."""
         self._scaled_backward = True
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale
-        elif self.plan.check_finite:
-            self._losses.add(loss)
-        loss.backward()
+        self.loss.backward_loss(loss).backward()
 
     def finish_gradients(self) -> None:
         """Wait for the step's reductions, make the owned gradients final (fp32, averaged,
@@ -350,19 +347,15 @@ class ZeroEngine:
             return
         self.reducer.finish()
         backward = self.reducer.grads_seen != self._seen_at_step  # this rank, since the step
-        if self.scaler is not None and backward and not self._scaled_backward:
-            raise RuntimeError(
-                "precision='fp16' scales the loss: call opt.backward(loss) instead of "
-                "loss.backward() (the only change fp16 needs in the training loop)"
-            )
+        self.loss.check_backward(backward, self._scaled_backward)
         check = self.plan.check_finite
         nonfinite = check and self.runner.nonfinite(self.reducer, self._inv_scale())
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
-        mine = StepFlags(nonfinite, self._losses.nonfinite(), backward)
+        mine = StepFlags(nonfinite, self.loss.nonfinite_loss(), backward)
         used, flags = agree_on_step(self.comm, has_grad, self.segments, self.frozen, mine)
         self._used, self._flags = used, flags
-        self._skip = flags.nonfinite_grads or (self.scaler is None and flags.nonfinite_loss)
+        self._skip = self.loss.skips(flags)
         self.runner.bind(used)
         self._grads_final = True
         self._check_nonfinite()
@@ -370,12 +363,11 @@ class ZeroEngine:
     def _check_nonfinite(self) -> None:
         """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
         clip until ``zero_grad``."""
-        if self._skip and self.scaler is None and self.config.nonfinite == "raise":
-            what = misuse.nonfinite_what(self._flags, loss_scaling=False)
-            raise misuse.nonfinite_error(self.steps + 1, what)
+        self.loss.refuse(self._skip, self._flags, self.steps + 1)
 
     def _inv_scale(self) -> float:
-        return 1.0 / self.scaler.scale if self.scaler else 1.0
+        scale = self.loss.scale
+        return 1.0 / scale if scale else 1.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -394,11 +386,11 @@ class ZeroEngine:
             misuse.without_backward(policy, self.steps + 1, self.steps_without_backward)
         else:
             self._staleness.check(self.steps + 1)
-        scale = self.scaler.scale if self.scaler else None
+        scale = self.loss.scale
         self.steps += 1
         if self._skip:
             self.skipped_steps += 1
-            reason = f"non-finite {misuse.nonfinite_what(self._flags, self.scaler is not None)}"
+            reason = f"non-finite {misuse.nonfinite_what(self._flags, scale is not None)}"
             log.warning(
                 "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
                 self.steps,
@@ -410,8 +402,7 @@ class ZeroEngine:
             reason = None
             self.runner.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
             self.publish_params()
-        if self.scaler is not None:
-            self.scaler.update(finite=not self._skip)
+        self.loss.after_step(self._skip)
         self.comm.progress.step = self.steps
         self.comm.progress.enter(BETWEEN_STEPS)
         info = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm, without_backward)
@@ -429,7 +420,7 @@ class ZeroEngine:
         self._flags = StepFlags()
         self._grad_norm = None
         self._scaled_backward = False
-        self._losses.reset()
+        self.loss.reset()
 
     def publish_params(self) -> None:
         """Make every rank's parameters equal the owners' masters: cast (mixed precision) and
@@ -451,7 +442,7 @@ class ZeroEngine:
         self.runner.reset()
         self._grads_final = False
         self._skip = False
-        self._losses.reset()
+        self.loss.reset()
         self._staleness.cleared()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
