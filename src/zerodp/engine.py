@@ -1,18 +1,20 @@
 """The one place where components are wired together.
 
-``ZeroEngine`` builds the flat segments, the gradient reducer and the optimizer's pieces from a
-resolved ``Plan``, and runs the step's schedule:
+``ZeroEngine`` chooses, once, from the resolved ``Plan``: a ``ParamSync`` (``params/sync.py``:
+replicated at stages 0-2, sharded units at stage 3), the ``GradSync`` it provides
+(``grads/sync.py``), a ``StepRunner`` (``optim/runner.py``: fp32 whole, mixed precision chunked)
+and a ``LossPolicy`` (``optim/loss_policy.py``: fp16 scaled, fp32/bf16 checked). Then it runs
+the step over their protocols (``docs/architecture.md``):
 
-1. backward: hooks launch bucketed reductions as gradients become ready (``grads.reducer``);
-2. ``step``: wait for them, agree across ranks on which parameters got a gradient (one small
-   all-reduce), step the user's optimizer on the owned pieces, all-gather the updated slices
-   (stages 1-2).
+1. backward: the gradient sync's hooks launch bucketed reductions as gradients become ready;
+2. ``step``: wait for them, agree across ranks on which parameters got a gradient and whether
+   all are finite (one small all-reduce), step the user's optimizer on the owned pieces, publish
+   the updated parameters.
 
-Over the ~400-line budget (582): adopting parameters unfrozen after ``initialize`` ([Note:
+Over the ~400-line budget (479): adopting parameters unfrozen after ``initialize`` ([Note:
 unfreezing]) or added by ``opt.add_param_group`` ([Note: param groups added after initialize])
-rebuilds the same components construction builds, so it lives beside it, and the step wires in
-the misuse checks (``optim/misuse.py``); the engine restructure (one engine over pluggable
-parameter/gradient sync) splits construction and re-planning from the step.
+rebuilds the components construction builds, so it lives beside it; splitting adoption into its
+own module (with a narrow view of the components) is the next step of the restructure.
 """
 
 from __future__ import annotations
