@@ -20,7 +20,7 @@ bytes held per rank by category, and a short ``torch.profiler`` pass (top operat
 
 Rank 0 prints the tables (Markdown) and writes the JSON (``--json``). The table/JSON formatting
 is in pure functions (``format_*``; the statistics ``summarize``, ``paired_ratios`` etc. and the
-DDP memory and parity helpers are shared with ``zerodp bench``, in ``zerodp.bench``) tested by
+DDP memory and parity helpers are shared with ``zerodp bench``, in ``zerodp.apps.bench``) tested by
 ``tests/unit/test_bench_format.py``.
 """
 
@@ -37,8 +37,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zerodp.bench import stats, systems
-from zerodp.bench.stats import (
+from zerodp.apps.bench import stats, systems
+from zerodp.apps.bench.stats import (
     MIB,
     max_over_ranks,
     paired_ratios,
@@ -46,10 +46,10 @@ from zerodp.bench.stats import (
     round_order,
     summarize,
 )
-from zerodp.bench.stats import fmt_mib as _mib
-from zerodp.bench.stats import fmt_ms as _ms
-from zerodp.bench.stats import fmt_ratio as _ratio
-from zerodp.bench.stats import fmt_sci as _sci
+from zerodp.apps.bench.stats import fmt_mib as _mib
+from zerodp.apps.bench.stats import fmt_ms as _ms
+from zerodp.apps.bench.stats import fmt_ratio as _ratio
+from zerodp.apps.bench.stats import fmt_sci as _sci
 
 KNOWN_CONFIGS = ("ddp", "zero0", "zero1", "zero2", "local")
 """``local``: no communication at all (each rank trains alone): a compute-only lower bound."""
@@ -225,7 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=15, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first")
     p.add_argument("--world-size", type=int, default=2, help="ranks (when not under torchrun)")
-    p.add_argument("--preset", default="bench25m", help="zerodp.models.gpt preset")
+    p.add_argument("--preset", default="bench25m", help="zerodp.apps.models.gpt preset")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"from {','.join(KNOWN_CONFIGS)}")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket MiB (zerodp and DDP)")
@@ -288,7 +288,7 @@ class _Run:
         from torch.nn.parallel import DistributedDataParallel
 
         import zerodp
-        from zerodp.models.gpt import GPT
+        from zerodp.apps.models.gpt import GPT
 
         self.name = name
         self.stage = stage_of(name)
@@ -357,7 +357,7 @@ class _Run:
     def memory(self) -> dict[str, Any]:
         if self.stage is not None:
             return self.opt.memory_report().to_dict()
-        from zerodp.bench.peers import DDPPeer, Peer
+        from zerodp.apps.bench.peers import DDPPeer, Peer
 
         # DDP's bucket buffers are counted by the `zerodp bench` adapter (private API).
         peer = (DDPPeer if self.name == "ddp" else Peer)(self.module, self.model, self.opt, False)
@@ -374,7 +374,7 @@ class _Run:
 
 
 def _parity(run: _Run, ref: _Run) -> dict[str, float]:
-    from zerodp.bench.parity import compare_params
+    from zerodp.apps.bench.parity import compare_params
 
     found = compare_params(dict(run.module.named_parameters()), dict(ref.module.named_parameters()))
     return {k: v for k, v in found.items() if isinstance(v, float)}  # max-over-ranks-able
@@ -408,8 +408,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import zerodp
-    from zerodp.data.corpus import BatchSampler, load_corpus
-    from zerodp.models.gpt import get_config, num_parameters
+    from zerodp.apps.data.corpus import BatchSampler, load_corpus
+    from zerodp.apps.models.gpt import get_config, num_parameters
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

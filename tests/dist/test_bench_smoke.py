@@ -18,7 +18,7 @@ TIMEOUT_S = 120  # ~10 s on 2 idle cores; generous for a loaded machine
 def _bench(cwd: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
     """``zerodp bench ARGS`` in a fresh interpreter; fails the test unless it exits 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "zerodp.cli.main", "bench", *args],
+        [sys.executable, "-m", "zerodp.apps.cli.main", "bench", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -26,7 +26,7 @@ from zerodp.checkpoint import (
     save_checkpoint,
 )
 from zerodp.checkpoint.save import CRASH_ENV
-from zerodp.models.gpt import GPT, get_config
+from zerodp.apps.models.gpt import GPT, get_config
 
 World = Callable[[int], WorldPool]
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 16, 8, 5, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks
@@ -369,7 +369,7 @@ def _save_for_consolidation(root: str) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def test_consolidate_equals_state_dict(world: World, tmp_path: Path) -> None:
-    from zerodp.cli.consolidate import add_parser
+    from zerodp.apps.cli.consolidate import add_parser
 
     net_sd, gpt_sd = world(2).run(_save_for_consolidation, str(tmp_path), timeout=60)[0]
     for name, sd, plain in (("net", net_sd, Net()), ("gpt", gpt_sd, GPT(get_config("tiny")))):

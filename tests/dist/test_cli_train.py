@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from zerodp.train.options import FAIL_AT_ENV
+from zerodp.apps.train.options import FAIL_AT_ENV
 
 TINY = ["--preset", "tiny", "--batch", "2", "--world-size", "2", "--sample-chars", "16"]
 TIMEOUT_S = 150  # each run takes ~10 s on 2 idle cores; a loaded CI box can be much slower
@@ -40,7 +40,7 @@ def _run(
 def _zerodp_train(
     args: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return _run(["-m", "zerodp.cli.main", "train", *args], cwd, env)
+    return _run(["-m", "zerodp.apps.cli.main", "train", *args], cwd, env)
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -130,7 +130,7 @@ def test_resume_under_torchrun_continues_exactly(
     torchrun += ["--log-dir", str(root / "torchrun-logs")]  # not a /tmp/torchelastic_* left over
     args = [*TINY[:4], "--sample-chars", "0", "--steps", "3", "--out", str(out)]
     resume = ["--resume", str(root / "ckpt" / "step-00000002")]
-    _ok(_run([*torchrun, "-m", "zerodp.train", *args, *resume], root))
+    _ok(_run([*torchrun, "-m", "zerodp.apps.train", *args, *resume], root))
     (resumed,) = _report(out)["runs"]
     (full,) = _report(root / "run")["runs"]
     assert resumed["first_step"] == 2

@@ -1,7 +1,7 @@
 """``zerodp bench``'s pure parts: configurations, options, report building, tables, parity.
 
 No ranks are launched; the per-rank results are synthetic dicts shaped like
-``zerodp.bench.runner.rank_main``'s.
+``zerodp.apps.bench.runner.rank_main``'s.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from zerodp.bench import stats
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.parity import compare_params
-from zerodp.bench.systems import BY_NAME, KNOWN, parity_tolerance, parse_configs
-from zerodp.bench.table import (
+from zerodp.apps.bench import stats
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.parity import compare_params
+from zerodp.apps.bench.systems import BY_NAME, KNOWN, parity_tolerance, parse_configs
+from zerodp.apps.bench.table import (
     accounting,
     build_report,
     format_breakdown_table,

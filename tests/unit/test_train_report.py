@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from zerodp.cli.train import add_train_arguments, options_from_args
-from zerodp.train.launch import (
+from zerodp.apps.cli.train import add_train_arguments, options_from_args
+from zerodp.apps.train.launch import (
     describe_failure,
     format_child_failure,
     format_failures,
     read_error_notes,
 )
-from zerodp.train.loop import lr_factor, resolve_out_dir
-from zerodp.train.options import ErrorNote, TrainOptions, parse_fail_at, under_torchrun
-from zerodp.train.report import (
+from zerodp.apps.train.loop import lr_factor, resolve_out_dir
+from zerodp.apps.train.options import ErrorNote, TrainOptions, parse_fail_at, under_torchrun
+from zerodp.apps.train.report import (
     COMM_UNIT,
     RunResult,
     build_report,

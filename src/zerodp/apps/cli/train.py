@@ -3,7 +3,7 @@
 With no arguments: the ``small`` GPT (3.3M parameters, bytes as tokens) on the Python standard
 library's source, ZeRO stage 2, 2 local ranks on CPU (gloo) or one rank per GPU (NCCL); about
 two minutes on 2 CPU cores. The ranks are started with torch's elastic launcher; under torchrun
-the same command (or ``python -m zerodp.train``) runs as one rank of torchrun's world instead.
+the same command (or ``python -m zerodp.apps.train``) runs as one rank of torchrun's world instead.
 
 At the end: loss curve, throughput, per-rank memory by category measured against the ZeRO
 paper's formula, bytes communicated per step against 2Ψ (3Ψ for stage 3), and text sampled from
@@ -12,7 +12,7 @@ stages 0-3 on the same seed and data to show that loss curves coincide while mem
 
 Multi-node (run on every node; global rank 0 writes the report):
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-      --rdzv-id my-run -m zerodp.train --steps 1000
+      --rdzv-id my-run -m zerodp.apps.train --steps 1000
 """
 
 from __future__ import annotations
@@ -24,14 +24,19 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from zerodp.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
-from zerodp.config import PRECISIONS, STAGES, ZeroConfig
-from zerodp.models.gpt import PRESETS
-from zerodp.train.options import (
+from zerodp.apps.cli.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from zerodp.apps.models.gpt import PRESETS
+from zerodp.apps.train.options import (
     DEFAULT_CPU_WORLD_SIZE,
     TrainOptions,
     under_torchrun,
 )
+from zerodp.config import PRECISIONS, STAGES, ZeroConfig
 
 _DEFAULTS = TrainOptions()
 
@@ -49,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``zerodp train`` (shared with ``python -m zerodp.train``)."""
+    """The options of ``zerodp train`` (shared with ``python -m zerodp.apps.train``)."""
     d = _DEFAULTS
     zero = p.add_argument_group("ZeRO")
     zero.add_argument(
@@ -232,8 +237,8 @@ def run(args: argparse.Namespace) -> int:
         nproc = local_world_size(options)
     except ValueError as exc:
         parser.error(str(exc))
-    from zerodp.train.launch import launch_local
-    from zerodp.train.loop import resolve_out_dir
+    from zerodp.apps.train.launch import launch_local
+    from zerodp.apps.train.loop import resolve_out_dir
 
     # Resolved once here so that every rank, and the message at the end, agree on it.
     options = dataclasses.replace(options, out=str(resolve_out_dir(options.out)))
@@ -250,14 +255,14 @@ def _check_torchrun_world(options: TrainOptions) -> None:
 
 
 def _run_as_rank(options: TrainOptions) -> int:
-    from zerodp.train.loop import rank_main
+    from zerodp.apps.train.loop import rank_main
 
     rank_main(options)
     return 0
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m zerodp.train") -> int:
-    """``python -m zerodp.train``: the same options and behaviour as ``zerodp train``."""
+def main(argv: Sequence[str] | None = None, prog: str = "python -m zerodp.apps.train") -> int:
+    """``python -m zerodp.apps.train``: the same options and behaviour as ``zerodp train``."""
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from zerodp.bench import peers
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
+from zerodp.apps.bench import peers
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
+from zerodp.apps.train.world import cores_per_rank, local_placement
 from zerodp.comm import Communicator, destroy, init_from_env
 from zerodp.comm.elastic import record
-from zerodp.train.world import cores_per_rank, local_placement
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
@@ -67,8 +67,8 @@ def _run(
     workdir: Path,
     save_params: bool,
 ) -> dict[str, Any]:
-    from zerodp.data.corpus import BatchSampler, load_corpus
-    from zerodp.models.gpt import GPT, get_config, num_parameters
+    from zerodp.apps.data.corpus import BatchSampler, load_corpus
+    from zerodp.apps.models.gpt import GPT, get_config, num_parameters
 
     base = {"rank": info.rank, "config": name}
     try:

@@ -1,6 +1,6 @@
 """Models shipped with zerodp: a small GPT used by ``zerodp train``, the benchmarks and tests."""
 
-from zerodp.models.gpt import (
+from zerodp.apps.models.gpt import (
     GPT,
     MLP,
     PRESETS,

@@ -1,7 +1,7 @@
 """The per-rank side of ``zerodp train``: one process of the data-parallel world.
 
 ``rank_main`` is the entry point of every rank, whoever started it: ``zerodp train`` (through
-torch's elastic launcher) or ``torchrun ... -m zerodp.train``. It joins the process group from
+torch's elastic launcher) or ``torchrun ... -m zerodp.apps.train``. It joins the process group from
 torchrun's environment variables, trains the GPT preset on the embedded corpus for each requested
 ZeRO stage, gathers losses, memory reports and traffic on rank 0, and there writes the report.
 """
@@ -24,20 +24,20 @@ import torch
 from torch import nn
 
 import zerodp
+from zerodp.apps.data.corpus import decode, encode, load_corpus
+from zerodp.apps.models.gpt import GPT, Block, generate, get_config, num_parameters
+from zerodp.apps.train.checkpoints import resume
+from zerodp.apps.train.options import ErrorNote, TrainOptions
+from zerodp.apps.train.report import build_report, write_report
+from zerodp.apps.train.result import RunResult
+from zerodp.apps.train.steps import Curves, lr_factor, run_steps
+from zerodp.apps.train.summary import format_summary
+from zerodp.apps.train.world import RankContext, environment, join_world
 from zerodp.comm.communicator import destroy
 from zerodp.comm.elastic import record
-from zerodp.data.corpus import decode, encode, load_corpus
 from zerodp.memory.estimator import dtype_bytes
-from zerodp.models.gpt import GPT, Block, generate, get_config, num_parameters
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.plan import DTYPES
-from zerodp.train.checkpoints import resume
-from zerodp.train.options import ErrorNote, TrainOptions
-from zerodp.train.report import build_report, write_report
-from zerodp.train.result import RunResult
-from zerodp.train.steps import Curves, lr_factor, run_steps
-from zerodp.train.summary import format_summary
-from zerodp.train.world import RankContext, environment, join_world
 
 # Re-exported: callers and tests import these from here, the rank's entry module.
 __all__ = [

@@ -5,9 +5,9 @@ Under torchrun every rank runs the same entry point (``rank_main``), on one node
 this on every node (global rank 0 writes the report)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        --rdzv-id my-run -m zerodp.train --steps 1000
+        --rdzv-id my-run -m zerodp.apps.train --steps 1000
 
-``python -m zerodp.train`` takes the same options as ``zerodp train``; outside torchrun it
+``python -m zerodp.apps.train`` takes the same options as ``zerodp train``; outside torchrun it
 launches local ranks exactly as ``zerodp train`` does.
 
 Modules: ``options`` (the picklable run options); one rank's training: ``loop`` (the entry

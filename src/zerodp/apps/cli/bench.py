@@ -20,11 +20,11 @@ import argparse
 import json
 from typing import Any
 
-from zerodp.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
 
 # argparse converters shared with `zerodp estimate` (same messages, exit status 2).
-from zerodp.cli.argtypes import non_negative_int, positive_float, positive_int
-from zerodp.models.gpt import PRESETS
+from zerodp.apps.cli.argtypes import non_negative_int, positive_float, positive_int
+from zerodp.apps.models.gpt import PRESETS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -78,7 +78,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerodp.bench import BenchOptions, format_report, run_bench
+    from zerodp.apps.bench import BenchOptions, format_report, run_bench
 
     options = BenchOptions(
         configs=tuple(args.configs),

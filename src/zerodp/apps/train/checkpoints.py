@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from zerodp.apps.train.options import TrainOptions
 from zerodp.optim.optimizer import ZeroOptimizer
-from zerodp.train.options import TrainOptions
 
 
 def resume(options: TrainOptions, model: nn.Module, opt: ZeroOptimizer) -> int:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.peers import Peer
-from zerodp.bench.probe import optimizer_state_tensors, tensor_bytes
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.peers import Peer
+from zerodp.apps.bench.probe import optimizer_state_tensors, tensor_bytes
 
 _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 

@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.bench.systems import KNOWN, PRECISIONS, parse_configs
-from zerodp.models.gpt import get_config
+from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.apps.models.gpt import get_config
 
 MIB = 2**20
 

@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from typing import Any
 
-from zerodp.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
+from zerodp.apps.cli.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from zerodp.config import ZeroConfig
 from zerodp.memory.estimator import (
     GB,

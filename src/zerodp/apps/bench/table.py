@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zerodp.bench.stats import (
+from zerodp.apps.bench.stats import (
     fmt_mib,
     fmt_ms,
     fmt_ratio,
@@ -21,7 +21,7 @@ from zerodp.bench.stats import (
     phase_medians,
     summarize,
 )
-from zerodp.bench.systems import BY_NAME, REFERENCE, parity_tolerance
+from zerodp.apps.bench.systems import BY_NAME, REFERENCE, parity_tolerance
 
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers")

@@ -24,18 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerodp.bench import peers
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.parity import ParityTracker
-from zerodp.bench.peers import adamw_kwargs
-from zerodp.bench.stats import round_order
-from zerodp.bench.systems import REFERENCE
-from zerodp.bench.table import build_report
+from zerodp.apps.bench import peers
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.parity import ParityTracker
+from zerodp.apps.bench.peers import adamw_kwargs
+from zerodp.apps.bench.stats import round_order
+from zerodp.apps.bench.systems import REFERENCE
+from zerodp.apps.bench.table import build_report
 from zerodp.comm.launch import RanksFailed, describe_failure, launch_ranks
 
 # Imported once in the forkserver that every rank is forked from. Only what all configurations
 # need: a system's own modules are imported by its ranks, after the baseline RSS is read.
-_PRELOAD = ("zerodp.bench.runner",)
+_PRELOAD = ("zerodp.apps.bench.runner",)
 Log = Callable[[str], None]
 
 
@@ -95,7 +95,7 @@ def launch_config(
 ) -> list[dict[str, Any]] | str:
     """Run ``runner.rank_main`` in ``options.world_size`` local ranks; their results, or the
     failing rank's error as one line."""
-    from zerodp.bench.runner import rank_main
+    from zerodp.apps.bench.runner import rank_main
 
     try:
         returned = launch_ranks(
@@ -123,8 +123,8 @@ def _meta(
 ) -> dict[str, Any]:
     import torch
 
+    from zerodp.apps.models.gpt import get_config
     from zerodp.memory.estimator import GPTShape, activation_bytes, dtype_bytes
-    from zerodp.models.gpt import get_config
 
     cfg = get_config(options.preset)
     shape = GPTShape(

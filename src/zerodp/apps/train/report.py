@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zerodp.train.figures import Bar, memory_bars, plot_report
-from zerodp.train.result import SMOOTH_STEPS, RunResult, loss_summary, throughput
-from zerodp.train.summary import format_compare_table, format_count, format_mb, format_summary
-from zerodp.train.theory import (
+from zerodp.apps.train.figures import Bar, memory_bars, plot_report
+from zerodp.apps.train.result import SMOOTH_STEPS, RunResult, loss_summary, throughput
+from zerodp.apps.train.summary import format_compare_table, format_count, format_mb, format_summary
+from zerodp.apps.train.theory import (
     CATEGORY_LABELS,
     COMM_UNIT,
     MB,

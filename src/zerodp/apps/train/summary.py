@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerodp.train.result import SMOOTH_STEPS
-from zerodp.train.theory import CATEGORY_LABELS, MB, MEMORY_CATEGORIES
+from zerodp.apps.train.result import SMOOTH_STEPS
+from zerodp.apps.train.theory import CATEGORY_LABELS, MB, MEMORY_CATEGORIES
 
 
 def format_mb(num_bytes: float | None) -> str:

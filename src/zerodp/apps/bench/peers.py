@@ -23,9 +23,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.probe import optimizer_state_tensors, tensor_bytes
-from zerodp.bench.systems import BY_NAME
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.probe import optimizer_state_tensors, tensor_bytes
+from zerodp.apps.bench.systems import BY_NAME
 
 
 class Unavailable(Exception):
@@ -181,7 +181,7 @@ def adamw_kwargs(options: BenchOptions) -> dict[str, Any]:
 
 def _units(module: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (what FSDP2 wraps one by one)."""
-    from zerodp.models.gpt import Block
+    from zerodp.apps.models.gpt import Block
 
     return [m for m in module.modules() if isinstance(m, Block)]
 
@@ -248,7 +248,7 @@ def _build_fsdp2(reshard: bool) -> Callable[[nn.Module, RankInfo, BenchOptions],
 
 def _build_deepspeed(stage: int) -> Callable[[nn.Module, RankInfo, BenchOptions], Peer]:
     def build(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
-        from zerodp.bench.deepspeed_peer import build_deepspeed
+        from zerodp.apps.bench.deepspeed_peer import build_deepspeed
 
         return build_deepspeed(stage, module, _adamw(module.parameters(), options), options)
 

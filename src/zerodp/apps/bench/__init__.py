@@ -7,12 +7,12 @@ theoretical traffic), ``options``, ``launch`` (the parent: one launch per config
 ``probe`` (RSS and tensor bytes), ``parity``, ``table`` (report and tables), ``stats`` (pure
 statistics shared with ``benchmarks/bench_stages.py``).
 
-    from zerodp.bench import BenchOptions, run_bench
+    from zerodp.apps.bench import BenchOptions, run_bench
     report = run_bench(BenchOptions(preset="tiny", configs=("ddp", "zero2"), steps=2))
 """
 
-from zerodp.bench.launch import run_bench
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.table import format_report
+from zerodp.apps.bench.launch import run_bench
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.table import format_report
 
 __all__ = ["BenchOptions", "format_report", "run_bench"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerodp.apps.train.result import RunResult
 from zerodp.memory.estimator import comm_buffer_bytes
-from zerodp.train.result import RunResult
 
 MB = 1e6
 

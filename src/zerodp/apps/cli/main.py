@@ -11,12 +11,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Subcommand name -> module under zerodp.cli. Imported lazily so `zerodp estimate` stays fast.
+# Subcommand name -> module under zerodp.apps.cli. Imported lazily so `zerodp estimate` stays fast.
 SUBCOMMANDS = {
-    "bench": "zerodp.cli.bench",
-    "consolidate": "zerodp.cli.consolidate",
-    "estimate": "zerodp.cli.estimate",
-    "train": "zerodp.cli.train",
+    "bench": "zerodp.apps.cli.bench",
+    "consolidate": "zerodp.apps.cli.consolidate",
+    "estimate": "zerodp.apps.cli.estimate",
+    "train": "zerodp.apps.cli.train",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from zerodp.train.theory import CATEGORY_LABELS, MB, MEMORY_CATEGORIES
+from zerodp.apps.train.theory import CATEGORY_LABELS, MB, MEMORY_CATEGORIES
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> None:

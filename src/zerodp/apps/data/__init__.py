@@ -1,6 +1,6 @@
 """Data: the embedded byte-level default corpus (the stdlib's source) and a batch sampler."""
 
-from zerodp.data.corpus import (
+from zerodp.apps.data.corpus import (
     DEFAULT_MAX_BYTES,
     VOCAB_SIZE,
     BatchSampler,

@@ -1,6 +1,6 @@
 """Starting the ranks of ``zerodp train`` on this machine with torch's own elastic launcher.
 
-The ranks are the same ``rank_main`` that ``torchrun -m zerodp.train`` runs, started by
+The ranks are the same ``rank_main`` that ``torchrun -m zerodp.apps.train`` runs, started by
 ``comm.launch.launch_ranks`` (torch's ``elastic_launch``, what torchrun uses inside). If any rank
 raises, the agent stops all the others; the failing rank's exception and traceback are shown to
 the user (from the note every failing rank leaves, see ``format_failures``, else from the error
@@ -17,16 +17,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from zerodp.apps.train.options import ErrorNote, TrainOptions
 from zerodp.comm.launch import LaunchInterrupted, RanksFailed, describe_failure, launch_ranks
-from zerodp.train.options import ErrorNote, TrainOptions
 
-_PRELOAD = ("zerodp.train.loop",)
+_PRELOAD = ("zerodp.apps.train.loop",)
 _MAX_TRACEBACKS = 2  # distinct errors shown in full; further failing ranks get one line each
 
 
 def launch_local(options: TrainOptions, nproc: int) -> int:
     """Run ``nproc`` ranks here and wait for them; the exit status for the command."""
-    from zerodp.train.loop import rank_main
+    from zerodp.apps.train.loop import rank_main
 
     with tempfile.TemporaryDirectory(prefix="zerodp-train-") as tmp:
         error_dir = Path(tmp, "errors")
