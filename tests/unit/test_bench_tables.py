@@ -97,11 +97,11 @@ def _report() -> dict[str, Any]:
     close = {"model_rel_diff": 2e-6, "max_rel_diff": 3e-4, "max_abs_diff": 1e-7}
     return build_report(
         meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 2},
-        order=["ddp", "zero2", "zero3", "deepspeed1"],
+        order=["ddp", "zero2", "plain", "deepspeed1"],
         statuses={
             "ddp": {"status": "ok"},
             "zero2": {"status": "ok"},
-            "zero3": {"status": "not available", "reason": "stage 3 is not implemented"},
+            "plain": {"status": "not available", "reason": "world size 1 only"},
             "deepspeed1": {"status": "not installed", "reason": "no deepspeed"},
         },
         runs={"ddp": ddp, "zero2": zero2},
@@ -179,7 +179,7 @@ def test_build_report_is_json_with_ratios_and_statuses() -> None:
     assert z2["rss_bytes"]["peak_steps"] == 150 * MIB  # the rank with the highest peak
     assert [r["peak_steps"] for r in z2["rss_bytes_per_rank"]] == [130 * MIB, 150 * MIB]
     assert z2["parity_vs_ddp"]["passed"] and z2["parity_vs_ddp"]["tolerance"] == 1e-5
-    assert rep["configs"]["zero3"]["status"] == "not available"
+    assert rep["configs"]["plain"]["status"] == "not available"
     assert "step_time_s" not in rep["configs"]["deepspeed1"]
 
 
@@ -191,7 +191,7 @@ def test_format_tables() -> None:
     assert "| 0.333 | 0.33 |" in time_table[3]  # medians and the one round
     assert time_table[2].endswith("| identical |")
     assert "| 500 |" in time_table[3] and "2.0e-06 (3.0e-04) ok" in time_table[3]
-    assert "not available (stage 3 is not implemented)" in time_table[4]
+    assert "not available (world size 1 only)" in time_table[4]
     assert "not installed" in time_table[5]
     mem = format_memory_table(rep).splitlines()
     assert len(mem) == 4  # header, rule, the two configurations that ran

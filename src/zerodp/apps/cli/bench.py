@@ -1,11 +1,11 @@
 """``zerodp bench``: zerodp against its peers on one model, data and seed, in one invocation.
 
 Configurations (``--configs``, default all): ``ddp`` (DistributedDataParallel, the reference),
-``zero0``-``zero3`` (zerodp; stage 3 "not available" where this version lacks it), ``zro``
-(torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard`` (``fully_shard`` per
-transformer block then the root, reshard_after_forward True / False), ``deepspeed1``-
-``deepspeed3`` (only where ``import deepspeed`` works: an optional extra, "not installed"
-otherwise).
+``plain`` (no wrapper; world size 1 only, "not available" otherwise), ``zero0``-``zero3``
+(zerodp), ``zro`` (torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard``
+(``fully_shard`` per transformer block then the root, reshard_after_forward True / False),
+``deepspeed1``-``deepspeed3`` (only where ``import deepspeed`` works: an optional extra, "not
+installed" otherwise).
 
 Each configuration runs in its own launch of torch's elastic launcher (gloo on CPU, NCCL with
 CUDA), so the peak RSS per rank is its own. Printed: step time (median, min, ratio to DDP,

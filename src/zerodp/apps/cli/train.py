@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -71,7 +70,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     zero.add_argument(
         "--compare-stages",
         action="store_true",
-        help="train stages 0-3 (those available) on the same seed and data and compare them",
+        help="train stages 0-3 on the same seed and data and compare them",
     )
     run = p.add_argument_group("run")
     run.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default small")
@@ -142,7 +141,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> TrainOptions:
-    """Validated options; ``ValueError`` names what is wrong or not available yet."""
+    """Validated options; ``ValueError`` names what is wrong."""
     stages = tuple(STAGES) if args.compare_stages else (args.stage,)
     options = TrainOptions(
         stages=stages,
@@ -163,28 +162,22 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         out=args.out,
         sample_chars=args.sample_chars,
     )
-    check_available(options)
+    check_options(options)
     return options
 
 
-def check_available(options: TrainOptions) -> None:
-    """Reject, before any rank starts, what this version cannot do."""
+def check_options(options: TrainOptions) -> None:
+    """Reject, before any rank starts, options that cannot run together (``ZeroConfig`` checks
+    its own fields here too, so that a bad one is a usage error, not one error per rank)."""
     for stage in options.stages:
         ZeroConfig(
             stage=stage, precision=options.precision, bucket_bytes=options.bucket_bytes_for(1)
         )
     wants_checkpoints = options.checkpoint_dir is not None or options.resume is not None
-    if wants_checkpoints and not checkpoints_available():
-        raise ValueError(
-            "checkpoints are not available yet in this version of zerodp: "
-            "drop --checkpoint-dir/--resume"
-        )
     if wants_checkpoints and options.compare_stages:
         raise ValueError("--checkpoint-dir/--resume apply to one stage, not --compare-stages")
     if options.checkpoint_every and options.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to save)")
-    if not options.compare_stages:
-        _check_stage_available(options.stages[0])
 
 
 def _resume_path(resume: str | None, checkpoint_dir: str | None) -> str | None:
@@ -194,21 +187,6 @@ def _resume_path(resume: str | None, checkpoint_dir: str | None) -> str | None:
     if checkpoint_dir is None:
         raise ValueError("--resume without a path needs --checkpoint-dir (where to resume from)")
     return checkpoint_dir
-
-
-def checkpoints_available() -> bool:
-    return importlib.util.find_spec("zerodp.checkpoint") is not None
-
-
-def _check_stage_available(stage: int) -> None:
-    # The engine resolves the stage before touching the process group; resolving it here too
-    # turns "not implemented" into a usage error instead of the same failure on every rank.
-    from zerodp.plan import resolve
-
-    try:
-        resolve(ZeroConfig(stage=stage))
-    except NotImplementedError as exc:
-        raise ValueError(f"--stage {stage} is not available yet: {exc}") from None
 
 
 def local_world_size(options: TrainOptions) -> int:

@@ -15,6 +15,7 @@ point and one stage), ``world`` (joining the process group), ``steps`` (the opti
 their curves), ``checkpoints`` (resume and save); the report, pure functions: ``report``
 (report.json, and every report name re-exported), ``result`` (``RunResult``), ``theory`` (the
 paper's memory and traffic), ``summary`` (terminal text), ``figures`` (report.png); launching:
-``launch`` (local launching and failure reporting), ``agent`` (what it shares with ``zerodp
-bench``). Import them directly; this package imports nothing heavy on its own.
+``launch`` (local launching and failure reporting; the launcher itself is ``zerodp.comm.launch``,
+shared with ``zerodp bench``). Import them directly; this package imports nothing heavy on its
+own.
 """

@@ -18,7 +18,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")  # files only: no display, and no GUI toolkit needed
     import matplotlib.pyplot as plt
 
-    done = [e for e in report["runs"] if e["status"] == "ok"]
+    done = report["runs"]
     fig, (ax_loss, ax_mem, ax_comm) = plt.subplots(1, 3, figsize=(17, 5))
     _plot_loss(ax_loss, done)
     _plot_memory(ax_mem, done)

@@ -37,7 +37,6 @@ from zerodp.comm.communicator import destroy
 from zerodp.comm.elastic import record
 from zerodp.memory.estimator import dtype_bytes
 from zerodp.optim.optimizer import ZeroOptimizer
-from zerodp.plan import DTYPES
 
 # Re-exported: callers and tests import these from here, the rank's entry module.
 __all__ = [
@@ -126,14 +125,7 @@ def _train_stage(
         precision=options.precision,
         bucket_bytes=options.bucket_bytes_for(param_bytes),
     )
-    try:
-        model, opt = zerodp.initialize(gpt, inner, config)
-    except NotImplementedError as exc:
-        # Every rank raises the same error before any collective, so all skip together.
-        if options.compare_stages:
-            return RunResult.skipped(stage, str(exc))
-        raise
-    _check_precision(model, options.precision)
+    model, opt = zerodp.initialize(gpt, inner, config)
     first_step = resume(options, model, opt)
     curves = run_steps(options, stage, ctx, data, model, opt, first_step)
     result = _gather_result(stage, ctx, opt, curves)
@@ -143,17 +135,6 @@ def _train_stage(
     del model, opt, inner, gpt
     gc.collect()  # free this stage's buffers before the next stage allocates its own
     return result
-
-
-def _check_precision(model: nn.Module, precision: str) -> None:
-    expected = DTYPES[precision]
-    found = {p.dtype for p in model.parameters() if p.requires_grad}
-    if found != {expected}:
-        names = ", ".join(sorted(str(d).replace("torch.", "") for d in found))
-        raise NotImplementedError(
-            f"--precision {precision} is not available yet in this version of zerodp: "
-            f"zerodp.initialize left the parameters in {names}; use --precision fp32"
-        )
 
 
 def _largest_unit_params(model: GPT) -> int:
@@ -186,8 +167,8 @@ def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Cur
         memory=[g[1] for g in gathered],
         comm=stats.to_dict() if stats is not None else None,
         comm_volumes=curves.volumes,
-        skipped_steps=int(getattr(opt, "skipped_steps", 0)),
-        loss_scale=getattr(opt, "loss_scale", None),
+        skipped_steps=opt.skipped_steps,
+        loss_scale=opt.loss_scale,
     )
 
 

@@ -19,8 +19,6 @@ class RunResult:
     """What one stage's run produced, as plain values (rank 0 holds the gathered ones)."""
 
     stage: int
-    status: str = "ok"  # "ok" or "skipped"
-    note: str = ""  # why a stage was skipped
     first_step: int = 0  # > 0 when resumed from a checkpoint
     losses: list[float] = field(default_factory=list)  # per step, mean over ranks
     grad_norms: list[float] = field(default_factory=list)  # per step; empty without --clip
@@ -39,10 +37,6 @@ class RunResult:
     loss_scale: float | None = None  # fp16's loss scale at the end
     sample_prompt: str = ""
     sample_text: str = ""
-
-    @classmethod
-    def skipped(cls, stage: int, note: str) -> RunResult:
-        return cls(stage=stage, status="skipped", note=note)
 
 
 def loss_summary(losses: Sequence[float]) -> dict[str, float | None]:

@@ -96,22 +96,13 @@ def train_step(
         with sync:
             _, loss = model(x.to(ctx.device), y.to(ctx.device))
             assert loss is not None
-            _backward(opt, loss / options.grad_accum)
+            # ZeroOptimizer.backward multiplies by the loss scale under fp16 (required there).
+            opt.backward(loss / options.grad_accum)
         total += loss.detach()
     norm = float(opt.clip_grad_norm_(options.clip)) if options.clip > 0 else None
     opt.step()
     opt.zero_grad()
     return float(total) / options.grad_accum, norm
-
-
-def _backward(opt: ZeroOptimizer, loss: torch.Tensor) -> None:
-    # ZeroOptimizer.backward multiplies by the loss scale under fp16 (where it is required);
-    # a version without it only knows plain backward.
-    backward = getattr(opt, "backward", None)
-    if backward is None:
-        loss.backward()
-    else:
-        backward(loss)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

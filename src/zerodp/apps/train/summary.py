@@ -59,8 +59,6 @@ def _header_line(report: dict[str, Any]) -> str:
 
 def _run_lines(entry: dict[str, Any]) -> list[str]:
     stage = entry["stage"]
-    if entry["status"] != "ok":
-        return [f"Stage {stage}: skipped ({entry['note']})"]
     loss, tp = entry["loss"], entry["throughput"]
     resumed = f", resumed at step {entry['first_step']}" if entry.get("first_step") else ""
     skipped = entry.get("skipped_steps", 0)
@@ -130,9 +128,6 @@ def format_compare_table(report: dict[str, Any]) -> list[str]:
     lines = ["Stages compared on the same seed and data (memory per rank):", header]
     for entry in report["runs"]:
         stage = entry["stage"]
-        if entry["status"] != "ok":
-            lines.append(f"{stage:>5}  skipped: {entry['note']}")
-            continue
         worst = max(entry["memory"], key=lambda row: row["measured"]["total"])
         measured, theory = worst["measured"], worst["theory"] or {}
         comm = entry["comm"] or {}
