@@ -124,7 +124,7 @@ def _meta(
     import torch
 
     from zerodp.apps.models.gpt import get_config
-    from zerodp.memory.estimator import GPTShape, activation_bytes, dtype_bytes
+    from zerodp.memory import GPTShape, activation_bytes, dtype_bytes
 
     cfg = get_config(options.preset)
     shape = GPTShape(

@@ -26,7 +26,7 @@ from zerodp.apps.bench.options import BenchOptions
 from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
 from zerodp.apps.train.world import cores_per_rank, local_placement
 from zerodp.comm import Communicator, destroy, init_from_env
-from zerodp.comm.elastic import record
+from zerodp.comm.launch import record
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang

@@ -23,7 +23,7 @@ from zerodp.apps.cli.argtypes import (
     positive_int,
 )
 from zerodp.config import ZeroConfig
-from zerodp.memory.estimator import (
+from zerodp.memory import (
     GB,
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,

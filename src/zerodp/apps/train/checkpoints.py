@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from zerodp import ZeroOptimizer
 from zerodp.apps.train.options import TrainOptions
-from zerodp.optim.optimizer import ZeroOptimizer
 
 
 def resume(options: TrainOptions, model: nn.Module, opt: ZeroOptimizer) -> int:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import zerodp
+from zerodp import ZeroOptimizer
 from zerodp.apps.data.corpus import decode, encode, load_corpus
 from zerodp.apps.models.gpt import GPT, Block, generate, get_config, num_parameters
 from zerodp.apps.train.checkpoints import resume
@@ -33,10 +34,9 @@ from zerodp.apps.train.result import RunResult
 from zerodp.apps.train.steps import Curves, lr_factor, run_steps
 from zerodp.apps.train.summary import format_summary
 from zerodp.apps.train.world import RankContext, environment, join_world
-from zerodp.comm.communicator import destroy
-from zerodp.comm.elastic import record
-from zerodp.memory.estimator import dtype_bytes
-from zerodp.optim.optimizer import ZeroOptimizer
+from zerodp.comm import destroy
+from zerodp.comm.launch import record
+from zerodp.memory import dtype_bytes
 
 # Re-exported: callers and tests import these from here, the rank's entry module.
 __all__ = [

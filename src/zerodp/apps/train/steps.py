@@ -14,13 +14,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from zerodp import ZeroModule, ZeroOptimizer
 from zerodp.apps.data.corpus import BatchSampler, train_val_split
 from zerodp.apps.models.gpt import GPT
 from zerodp.apps.train.checkpoints import maybe_save
 from zerodp.apps.train.options import FAIL_AT_ENV, TrainOptions, parse_fail_at
 from zerodp.apps.train.world import RankContext
-from zerodp.module import ZeroModule
-from zerodp.optim.optimizer import ZeroOptimizer
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerodp.apps.train.result import RunResult
-from zerodp.memory.estimator import comm_buffer_bytes
+from zerodp.memory import comm_buffer_bytes
 
 MB = 1e6
 

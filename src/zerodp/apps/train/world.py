@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import zerodp
-from zerodp.comm.communicator import Communicator, init_from_env
+from zerodp.comm import Communicator, init_from_env
 
 PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
 
