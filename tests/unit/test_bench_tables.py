@@ -205,8 +205,34 @@ def test_format_tables() -> None:
     assert "| zero2 | 80.0 | 90.0 | 95.0 | 100.0 | 110.0 | 150.0 | 101.0 | 100.0 |" in phases
     comm = format_comm_table(rep)
     assert "| zero2 | 2.000 | 2 | 2 |" in comm and "| ddp | - | 2 | 2 |" in comm
+    assert comm.splitlines()[0].endswith("| how | measured by collective |")
     text = format_report(rep)
     assert "preset=tiny" in text and "Communication per step" in text
+
+
+def test_optimizer_time_and_profile_are_rank_0s() -> None:
+    ranks = [_rank(0, [9.0, 1.0, 1.0]), _rank(1, [9.0, 1.0, 1.0])]
+    for r in ranks:
+        for s in r["steps"]:
+            s["times"]["optimizer"] = 0.1 if r["rank"] == 0 else 0.2
+    ranks[0]["profile"] = [{"name": "aten::mm", "self_ms_per_step": 12.3, "calls_per_step": 4}]
+    rep = build_report(
+        meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 2},
+        order=["zero2"],
+        statuses={},
+        runs={"zero2": [ranks]},
+        parity={},
+    )
+    z2 = rep["configs"]["zero2"]
+    assert z2["phases_median_s"]["optimizer"] == 0.1  # within step: not part of the total
+    assert z2["phases_median_s"]["total"] == 1.0
+    assert z2["profile_rank0"][0]["name"] == "aten::mm"
+    table = format_time_table(rep).splitlines()
+    assert "| step ms | optimizer ms |" in table[0]
+    assert "| 250 | 100 |" in table[2]  # step 1.0 / 4, of which the optimizer 0.1
+    text = format_report(rep)
+    assert "Top operators by median self CPU ms per step" in text
+    assert "- **zero2** (ms/step): aten::mm 12" in text
 
 
 def test_failed_parity_is_flagged() -> None:

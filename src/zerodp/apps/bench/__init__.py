@@ -4,8 +4,8 @@ Same model, data and seed for every configuration; each runs in its own launch o
 elastic launcher (so its peak RSS is its own). Files: ``systems`` (the configurations and their
 theoretical traffic), ``options``, ``launch`` (the parent: one launch per configuration, parity),
 ``runner`` (one rank's timed steps), ``peers`` / ``deepspeed_peer`` (one adapter per system),
-``probe`` (RSS and tensor bytes), ``parity``, ``table`` (report and tables), ``stats`` (pure
-statistics shared with ``benchmarks/bench_stages.py``).
+``probe`` (RSS and tensor bytes), ``operators`` (``--profile-steps``: top operators under
+torch.profiler), ``parity``, ``table`` (report and tables), ``stats`` (pure statistics).
 
     from zerodp.apps.bench import BenchOptions, run_bench
     report = run_bench(BenchOptions(preset="tiny", configs=("ddp", "zero2"), steps=2))

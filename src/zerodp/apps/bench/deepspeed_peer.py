@@ -31,10 +31,16 @@ _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_fla
 
 
 class DeepSpeedPeer(Peer):
-    def __init__(self, module: nn.Module, engine: Any, stage: int) -> None:
+    def __init__(
+        self, module: nn.Module, engine: Any, stage: int, client: torch.optim.Optimizer
+    ) -> None:
         super().__init__(module, engine, engine.optimizer, autocast=False)
         self.engine = engine
         self.stage = stage
+        self.client = client  # our AdamW, which DeepSpeed's ZeRO optimizer steps
+
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.client
 
     def zero_grad(self) -> None:
         pass  # engine.step() zeroes the gradients itself
@@ -110,4 +116,4 @@ def build_deepspeed(
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=opt, config=ds_config(stage, options), dist_init_required=False
     )
-    return DeepSpeedPeer(module, engine, stage)
+    return DeepSpeedPeer(module, engine, stage, opt)

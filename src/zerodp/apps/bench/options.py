@@ -34,6 +34,7 @@ class BenchOptions:
     lr: float = 3e-4
     weight_decay: float = 0.1
     fused_adamw: bool = False  # AdamW(fused=True) for every system (zerodp picks it by itself)
+    profile_steps: int = 0  # after the timed steps, this many under torch.profiler (operators)
 
     def __post_init__(self) -> None:
         parse_configs(",".join(self.configs))  # raises ValueError naming the bad names
@@ -43,8 +44,8 @@ class BenchOptions:
         for name in ("world_size", "steps", "batch", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0 or self.threads < 0:
-            raise ValueError("warmup and threads must be >= 0")
+        if self.warmup < 0 or self.threads < 0 or self.profile_steps < 0:
+            raise ValueError("warmup, threads and profile_steps must be >= 0")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
 

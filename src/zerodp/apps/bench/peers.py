@@ -2,8 +2,9 @@
 
 Every adapter wraps a freshly built model (same seed on every rank) and a ``torch.optim.AdamW``
 over its parameters, the way that system's documentation says to, and exposes the four phases
-the runner times (``zero_grad``, ``forward``, ``backward``, ``step``), the bytes it holds by
-category, and the full parameters at the end (for the parity check against DDP).
+the runner times (``zero_grad``, ``forward``, ``backward``, ``step``), the torch optimizer that
+does the update inside ``step`` (timed apart), the bytes it holds by category, and the full
+parameters at the end (for the parity check against DDP).
 
 Mixed precision (``--precision bf16``) is each system's own recipe: zerodp
 ``ZeroConfig(precision="bf16")`` (bf16 parameters, fp32 masters, fp32 reduction); DDP and
@@ -77,7 +78,7 @@ class Peer:
         return {
             "parameters": tensor_bytes(params, seen),
             "gradients": tensor_bytes((p.grad for p in params), seen),
-            "optimizer_state": tensor_bytes(optimizer_state_tensors(self._inner_opt()), seen),
+            "optimizer_state": tensor_bytes(optimizer_state_tensors(self.inner_optimizer()), seen),
             "buffers": None,
         }
 
@@ -90,10 +91,15 @@ class Peer:
         calls it."""
         return {n: p.detach().float().cpu().clone() for n, p in self.module.named_parameters()}
 
+    def settle(self) -> None:
+        """Wait for communication a step leaves in flight (before a profiler stops)."""
+
     def close(self) -> None:
         pass
 
-    def _inner_opt(self) -> torch.optim.Optimizer:
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that updates the parameters: its state is the optimizer state,
+        its ``step`` the update (``runner`` times it apart from the rest of ``step``)."""
         return self.opt
 
     def _autocast_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -119,7 +125,7 @@ class DDPPeer(Peer):
         out["buffers"] = ddp_bucket_bytes(self.model)
         return out
 
-    def _inner_opt(self) -> torch.optim.Optimizer:
+    def inner_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.opt, "optim", self.opt)  # ZeroRedundancyOptimizer: its local shard
 
 
@@ -148,6 +154,14 @@ class ZerodpPeer(Peer):
 
         with zerodp.full_parameters(self.module, writeback=False):
             return super().full_params()
+
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.opt.inner  # the user's AdamW over this rank's pieces
+
+    def settle(self) -> None:
+        # A profiler must not stop while a gloo thread reports an allocation to it: stages 1-2
+        # leave the parameter all-gather in flight after step (zerodp.memory.alloc_trace).
+        self.opt.wait_params()
 
     def close(self) -> None:
         # The model and its engine reference each other: unhook before the group goes away.

@@ -8,8 +8,11 @@ writes its full final parameters for the parity check and returns a plain dict (
 hands it to the parent).
 
 A step is ``zero_grad + forward + backward + step``, each phase timed on its own after a barrier
-(on CUDA each phase ends with a synchronize so that its time is its own). The RSS after each
-phase and the peak within it come from ``PhaseProbe``.
+(on CUDA each phase ends with a synchronize so that its time is its own). Within ``step``, the
+torch optimizer's own update is timed too (``OptimizerClock``): the rest of ``step`` is the
+system's work around it (waiting for gradient reductions, gathering parameters, copies). The RSS
+after each phase and the peak within it come from ``PhaseProbe``. With ``profile_steps``, more
+steps follow under ``torch.profiler`` (``operators``), after everything else was measured.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from zerodp.apps.bench import peers
+from zerodp.apps.bench.operators import profile_steps
 from zerodp.apps.bench.options import BenchOptions
 from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
 from zerodp.apps.train.world import cores_per_rank, local_placement
@@ -88,7 +92,7 @@ def _run(
         peer = peers.build(name, module, info, options)
     except peers.Unavailable as exc:
         return {**base, "status": exc.status, "reason": exc.reason}
-    with peers.closing(peer):
+    with peers.closing(peer), OptimizerClock(peer.inner_optimizer(), info.device) as clock:
         comm.barrier()
         rss_setup = current_rss()
         probe = PhaseProbe(info.device)
@@ -96,7 +100,7 @@ def _run(
         # activation is alive (the hooks cost a Python call per saved tensor: ~1 ms).
         counted = _total(options) - 1
         steps = [
-            _step(peer, sampler, s, info.device, probe, comm.barrier, count_saved=s == counted)
+            _step(peer, sampler, s, info.device, probe, comm.barrier, clock, s == counted)
             for s in range(_total(options))
         ]
         result = {
@@ -117,6 +121,12 @@ def _run(
             "comm": peer.comm(),
             "rss_end": current_rss(),
         }
+        if options.profile_steps:  # every configuration runs these steps: parity holds
+
+            def step(s: int) -> None:
+                _plain_step(peer, sampler, s, info.device, comm.barrier)
+
+            result["profile"] = profile_steps(step, _total(options), options.profile_steps)
         if save_params:  # after measuring: gathering full parameters allocates
             path = params_file(workdir, name, info.rank)
             torch.save(peer.full_params(), path)
@@ -129,6 +139,53 @@ def _total(options: BenchOptions) -> int:
     return options.warmup + options.steps
 
 
+class OptimizerClock:
+    """Seconds inside the torch optimizer's own ``step`` calls, from torch's step hooks; they
+    add up (zerodp's mixed precision steps it once per bucket). CPU only: on CUDA the hooks
+    would time kernel launches, not the update, so nothing is recorded there."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self._seconds = 0.0
+        self._calls = 0
+        self._start = 0.0
+        self._hooks: list[Any] = []  # torch's RemovableHandle
+        if device.type == "cpu":
+            pre = optimizer.register_step_pre_hook(self._pre)
+            self._hooks = [pre, optimizer.register_step_post_hook(self._post)]
+
+    def _pre(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self._seconds += time.perf_counter() - self._start
+        self._calls += 1
+
+    def take(self) -> float | None:
+        """Seconds since the last ``take``; ``None`` if the optimizer's step did not run."""
+        seconds = self._seconds if self._calls else None
+        self._seconds, self._calls = 0.0, 0
+        return seconds
+
+    def __enter__(self) -> OptimizerClock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _plain_step(
+    peer: peers.Peer, sampler: Any, step: int, device: torch.device, barrier: Callable[[], None]
+) -> None:
+    """One untimed step, left settled (what the profiler watches)."""
+    x, y = (t.to(device) for t in sampler.batch_at(step))
+    barrier()
+    peer.zero_grad()
+    peer.backward(peer.forward(x, y))
+    peer.step()
+    peer.settle()
+
+
 def _step(
     peer: peers.Peer,
     sampler: Any,
@@ -136,11 +193,12 @@ def _step(
     device: torch.device,
     probe: PhaseProbe,
     barrier: Callable[[], None],
+    clock: OptimizerClock,
     count_saved: bool = False,
 ) -> dict[str, Any]:
-    """One step: seconds and memory per phase, the loss, and with ``count_saved`` the bytes
-    autograd saved for backward and the tensors held by category at the end of the forward pass
-    (measured between the phases, outside their times)."""
+    """One step: seconds and memory per phase (and the optimizer's seconds within ``step``), the
+    loss, and with ``count_saved`` the bytes autograd saved for backward and the tensors held by
+    category at the end of the forward pass (measured between the phases, outside their times)."""
     x, y = (t.to(device) for t in sampler.batch_at(step))
     barrier()  # every rank starts the step together: a step's time is the slowest rank's
     times: dict[str, float] = {}
@@ -166,6 +224,7 @@ def _step(
     }
     for phase in PHASES:
         probe.begin()
+        clock.take()  # only the step phase's calls count
         t0 = time.perf_counter()
         actions[phase]()
         if device.type == "cuda":
@@ -179,6 +238,9 @@ def _step(
             forward_end.update({k: v for k, v in held.items() if isinstance(v, int)})
             saved.release()
     times["total"] = sum(times.values())
+    optimizer = clock.take()  # within "step", so not part of the total
+    if optimizer is not None:
+        times["optimizer"] = optimizer
     out = {
         "step": step,
         "times": times,

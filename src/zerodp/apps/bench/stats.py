@@ -1,9 +1,7 @@
-"""Pure statistics and number formatting shared by the benchmarks (no torch, no process group).
+"""Pure statistics and number formatting of ``zerodp bench`` (no torch, no process group).
 
-``benchmarks/bench_stages.py`` (zerodp stages vs DDP, interleaved in one world) and ``zerodp
-bench`` (zerodp vs its peers, one launch per configuration) summarise step times the same way:
-the median and minimum, the noise as interquartile range over median, and the step time of a
-run as the slowest rank's.
+Step times are summarised by the median and minimum, the noise as interquartile range over
+median, and the step time of a run as the slowest rank's.
 """
 
 from __future__ import annotations
@@ -41,27 +39,6 @@ def summarize(times: Sequence[float]) -> dict[str, float]:
         "p75": p75,
         "iqr_rel": (p75 - p25) / med if med > 0 else 0.0,
     }
-
-
-def paired_ratios(
-    times: Mapping[str, Sequence[float]], reference: str = "ddp"
-) -> dict[str, dict[str, float]]:
-    """Per sample ``i``, ``time[config][i] / time[reference][i]`` (samples taken side by side,
-    so slow periods of the machine cancel); summarised as median and quartiles. Empty without
-    the reference."""
-    ref = times.get(reference)
-    if not ref:
-        return {}
-    out = {}
-    for name, ts in times.items():
-        ratios = [t / r for t, r in zip(ts, ref, strict=True) if r > 0]
-        if ratios:
-            out[name] = {
-                "median": statistics.median(ratios),
-                "p25": percentile(ratios, 25),
-                "p75": percentile(ratios, 75),
-            }
-    return out
 
 
 def phase_medians(phases: Sequence[Mapping[str, float]], order: Sequence[str]) -> dict[str, float]:

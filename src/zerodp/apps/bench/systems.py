@@ -10,7 +10,6 @@ by its ledger; the peers' is not measured).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 REFERENCE = "ddp"
@@ -125,18 +124,17 @@ BY_NAME = {s.name: s for s in SYSTEMS}
 KNOWN = tuple(BY_NAME)
 
 
-def parse_configs(text: str, known: Sequence[str] = KNOWN, *, allow_all: bool = True) -> list[str]:
-    """``"ddp,zero1"`` -> ``["ddp", "zero1"]``; ``"all"`` -> every name in ``known`` (when
-    ``allow_all``). ``known``: by default every configuration ``zerodp bench`` knows; the
-    benchmark scripts pass their own. Unknown or repeated names raise ``ValueError``."""
+def parse_configs(text: str) -> list[str]:
+    """``"ddp,zero1"`` -> ``["ddp", "zero1"]``; ``"all"`` -> every configuration. Unknown or
+    repeated names raise ``ValueError``."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    if allow_all and names == ["all"]:
-        return list(known)
+    if names == ["all"]:
+        return list(KNOWN)
     if not names:
         raise ValueError("--configs is empty")
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in KNOWN]
     if unknown:
-        choices = ", ".join(["all", *known] if allow_all else known)
+        choices = ", ".join(["all", *KNOWN])
         raise ValueError(f"unknown config(s) {unknown}; choose from {choices}")
     if len(set(names)) != len(names):
         raise ValueError(f"repeated config in {names}")

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zerodp.apps.bench.operators import format_profile_table
 from zerodp.apps.bench.stats import (
     fmt_mib,
     fmt_ms,
@@ -24,6 +25,7 @@ from zerodp.apps.bench.stats import (
 from zerodp.apps.bench.systems import BY_NAME, REFERENCE, parity_tolerance
 
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
+OPTIMIZER = "optimizer"  # the torch optimizer's own update, within "step" (runner.OptimizerClock)
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers")
 RankResult = Mapping[str, Any]
 
@@ -132,7 +134,9 @@ def config_report(
             "num_params": psi,
             "step_time_s": summarize(times),
             "round_median_s": [statistics.median(round_times(r, warmup)) for r in rounds],
-            "phases_median_s": phase_medians([s["times"] for s in rank0["steps"][warmup:]], PHASES),
+            "phases_median_s": phase_medians(
+                [s["times"] for s in rank0["steps"][warmup:]], (*PHASES, OPTIMIZER)
+            ),
             "memory_bytes": mem,
             "memory_bytes_per_rank": [memory_row(r) for r in first],
             "zerodp_memory_report": (first[top].get("memory") or {}).get("zerodp_report"),
@@ -142,6 +146,7 @@ def config_report(
             if parity is None
             else {**parity, "tolerance": tol, "passed": parity["model_rel_diff"] <= tol},
             "losses_rank0": [s["loss"] for s in rank0["steps"]],
+            "profile_rank0": rank0.get("profile"),
             "steps_per_rank": [r["steps"] for r in first],  # raw: times and RSS per phase
             "step_times_s": times,
         }
@@ -216,7 +221,8 @@ def _parity_cell(p: Mapping[str, Any] | None) -> str:
 
 def format_time_table(report: Mapping[str, Any]) -> str:
     head = ["config", "system", "median ms", "min ms", "IQR/median", "vs DDP", "per round"]
-    head += [f"{p} ms" for p in PHASES[:-1]] + ["params vs DDP: rel diff (worst tensor)"]
+    head += [f"{p} ms" for p in (*PHASES[:-1], OPTIMIZER)]
+    head += ["params vs DDP: rel diff (worst tensor)"]
     rows = _header(head)
     for name, c in report["configs"].items():
         if "step_time_s" not in c:
@@ -227,7 +233,8 @@ def format_time_table(report: Mapping[str, Any]) -> str:
         cells = [name, c["system"], fmt_ms(s["median"]), fmt_ms(s["min"])]
         cells += [f"{s['iqr_rel'] * 100:.1f}%", fmt_ratio(c.get("ratio_to_ddp"))]
         cells.append(", ".join(f"{r:.2f}" for r in c.get("round_ratios_to_ddp", [])) or "-")
-        cells += [fmt_ms(ph.get(p)) for p in PHASES[:-1]] + [_parity_cell(c["parity_vs_ddp"])]
+        cells += [fmt_ms(ph.get(p)) for p in (*PHASES[:-1], OPTIMIZER)]
+        cells.append(_parity_cell(c["parity_vs_ddp"]))
         rows.append(_row(cells))
     return "\n".join(rows)
 
@@ -303,14 +310,24 @@ def format_breakdown_table(report: Mapping[str, Any]) -> str:
 
 
 def format_comm_table(report: Mapping[str, Any]) -> str:
-    rows = _header(["config", "measured Ψ/step", "implementation Ψ", "paper Ψ", "how"])
+    head = ["config", "measured Ψ/step", "implementation Ψ", "paper Ψ", "how"]
+    rows = _header([*head, "measured by collective"])
     for name, c in report["configs"].items():
         cm = c["comm"]
         measured = cm.get("measured_psi")
         cells = [name, "-" if measured is None else f"{measured:.3f}"]
         cells += [f"{cm['implementation_psi']:g}", f"{cm['paper_psi']:g}", cm["how"]]
-        rows.append(_row(cells))
+        rows.append(_row([*cells, ledger_cell(cm.get("measured"))]))
     return "\n".join(rows)
+
+
+def ledger_cell(stats: Mapping[str, Any] | None) -> str:
+    """zerodp's ledger of the last step (``CommStats.to_dict()``): calls and MiB per collective
+    kind; "-" for the peers, whose traffic is not measured."""
+    if not stats or "bytes" not in stats:
+        return "-"
+    kinds = stats["bytes"].items()
+    return ", ".join(f"{k} {stats['calls'][k]}x {fmt_mib(n)} MiB" for k, n in kinds)
 
 
 def format_meta(meta: Mapping[str, Any]) -> str:
@@ -330,7 +347,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     out = [
         f"zerodp bench: {format_meta(report['meta'])}",
         "",
-        "Step time (zero_grad+forward+backward+step, per step the slowest rank; phases rank 0):",
+        "Step time (zero_grad+forward+backward+step, per step the slowest rank; phases rank 0; "
+        "optimizer: the torch optimizer's own update within step, CPU only):",
         "",
         format_time_table(report),
         "",
@@ -357,4 +375,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     ]
     if cuda:
         out += ["", "Peak CUDA memory allocated during the steps (max over ranks):", *cuda]
+    profile = format_profile_table(report)
+    if profile:
+        title = "Top operators by median self CPU ms per step (torch.profiler, rank 0):"
+        out += ["", title, "", profile]
     return "\n".join(out)

@@ -9,9 +9,12 @@ installed" otherwise).
 
 Each configuration runs in its own launch of torch's elastic launcher (gloo on CPU, NCCL with
 CUDA), so the peak RSS per rank is its own. Printed: step time (median, min, ratio to DDP,
-phases), bytes held per rank by category (zerodp from memory_report, peers counted from their
-tensors), peak RSS and where it goes, communication per step (zerodp measured, peers theory),
-and the largest relative difference of the final parameters to DDP's. ``--json`` writes it all.
+phases, the torch optimizer's own update within step), bytes held per rank by category (zerodp
+from memory_report, peers counted from their tensors), peak RSS and where it goes,
+communication per step (zerodp measured, with its calls and bytes per collective; peers
+theory), and the largest relative difference of the final parameters to DDP's; with
+``--profile-steps``, each configuration's top operators under torch.profiler. ``--json`` writes
+it all.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="AdamW(fused=True) for every system (zerodp uses it anyway when left unset)",
     )
+    p.add_argument(
+        "--profile-steps",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="then N more steps under torch.profiler: top operators per config (default 0)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="write the full report here")
     p.set_defaults(func=run)
@@ -93,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         fused_adamw=args.fused_adamw,
+        profile_steps=args.profile_steps,
     )
     report = run_bench(options)
     print(format_report(report), flush=True)
