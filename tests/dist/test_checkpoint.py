@@ -25,7 +25,7 @@ from zerodp.checkpoint import (
     load_model_state_dict,
     save_checkpoint,
 )
-from zerodp.checkpoint.save import CRASH_ENV
+from zerodp.checkpoint import faults
 from zerodp.apps.models.gpt import GPT, get_config
 
 World = Callable[[int], WorldPool]
@@ -243,8 +243,18 @@ def _save_continue_then_crash(root: str, results: str) -> None:
     save_checkpoint(root, model, opt, extra={"sampler": K})
     losses = train(model, opt, K, 2 * K, rank, world)
     torch.save((losses, dict(model.state_dict())), os.path.join(results, f"ref{rank}.pt"))
-    os.environ[CRASH_ENV] = "1"  # rank 1 exits halfway through writing its file
-    save_checkpoint(root, model, opt)
+    faults.hooks.writing_rank_file = _rank_1_dies_halfway
+    try:
+        save_checkpoint(root, model, opt)
+    finally:
+        faults.hooks.writing_rank_file = None
+
+
+def _rank_1_dies_halfway(rank: int, index: int, count: int, flush: Callable[[], None]) -> None:
+    """Rank 1 exits abruptly halfway through writing its file, as a killed process would."""
+    if rank == 1 and index == count // 2:
+        flush()
+        os._exit(17)
 
 
 def _resume_in_new_processes(root: str) -> tuple[Any, list[float], dict[str, torch.Tensor]]:
