@@ -23,12 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from zerodp.apps.cli.argtypes import (
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-)
+from zerodp.apps.cli import argtypes
 from zerodp.apps.models.gpt import PRESETS
 from zerodp.apps.train.options import (
     DEFAULT_CPU_WORLD_SIZE,
@@ -62,7 +57,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     zero.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default fp32")
     zero.add_argument(
         "--bucket-mb",
-        type=positive_float,
+        type=argtypes.positive_float,
         default=d.bucket_mb,
         metavar="MIB",
         help="gradient bucket size in MiB (default: ZeroConfig's 32, at most 1/8 of the model)",
@@ -76,34 +71,36 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default small")
     run.add_argument(
         "--world-size",
-        type=positive_int,
+        type=argtypes.positive_int,
         metavar="N",
         help=f"local ranks (default {DEFAULT_CPU_WORLD_SIZE} on CPU, one per GPU with CUDA)",
     )
-    run.add_argument("--steps", type=positive_int, default=d.steps, help="default %(default)s")
+    run.add_argument(
+        "--steps", type=argtypes.positive_int, default=d.steps, help="default %(default)s"
+    )
     run.add_argument(
         "--batch",
-        type=positive_int,
+        type=argtypes.positive_int,
         default=d.batch,
         help="sequences per rank per micro-batch (default %(default)s)",
     )
     run.add_argument(
         "--grad-accum",
-        type=positive_int,
+        type=argtypes.positive_int,
         default=d.grad_accum,
         metavar="K",
         help="micro-batches per optimizer step (default %(default)s)",
     )
     run.add_argument(
         "--clip",
-        type=non_negative_float,
+        type=argtypes.non_negative_float,
         default=d.clip,
         metavar="NORM",
         help="max global gradient norm; 0 disables clipping (default %(default)g)",
     )
     run.add_argument(
         "--lr",
-        type=positive_float,
+        type=argtypes.positive_float,
         default=d.lr,
         help="peak AdamW learning rate; warm-up then cosine decay (default %(default)g)",
     )
@@ -112,7 +109,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--out", metavar="DIR", help="report directory (default runs/train-<time>)")
     out.add_argument(
         "--sample-chars",
-        type=non_negative_int,
+        type=argtypes.non_negative_int,
         default=d.sample_chars,
         metavar="N",
         help="characters to sample from the trained model; 0 disables (default %(default)s)",
@@ -125,7 +122,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     ckpt.add_argument(
         "--checkpoint-every",
-        type=non_negative_int,
+        type=argtypes.non_negative_int,
         default=d.checkpoint_every,
         metavar="N",
         help="also save every N steps (default: only at the end)",
