@@ -171,7 +171,7 @@ def _build(config: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import torch
 
     import zerodp
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
 
     torch.manual_seed(0)
     model = GPT(get_config(args.preset))
@@ -203,7 +203,7 @@ def _build(config: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _thresholds(args: argparse.Namespace, world: int) -> dict[str, int]:
     import torch
 
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
 
     with torch.device("meta"):
         model = GPT(get_config(args.preset))
@@ -218,8 +218,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import torch
     import torch.distributed as dist
 
+    from zerodp.apps.models.gpt import get_config
     from zerodp.memory.alloc_trace import AllocationTrace, classify, largest_by_op
-    from zerodp.models.gpt import get_config
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -294,7 +294,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from zerodp.config import ZeroConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="a zerodp.models.gpt preset (default tiny)")
+    p.add_argument(
+        "--preset", default="tiny", help="a zerodp.apps.models.gpt preset (default tiny)"
+    )
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--configs", type=parse_configs, default=list(KNOWN_CONFIGS))
     p.add_argument("--world-size", type=int, default=2)

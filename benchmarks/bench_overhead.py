@@ -57,7 +57,7 @@ class System:
 
     def __init__(self, name: str, args: argparse.Namespace, rank: int) -> None:
         import zerodp
-        from zerodp.models.gpt import GPT, get_config
+        from zerodp.apps.models.gpt import GPT, get_config
 
         self.name = name
         self.active = name != "solo" or rank == 0
@@ -107,8 +107,8 @@ def _override(text: str) -> tuple[str, Any]:
 def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    from zerodp.data.corpus import BatchSampler, load_corpus
-    from zerodp.models.gpt import get_config
+    from zerodp.apps.data.corpus import BatchSampler, load_corpus
+    from zerodp.apps.models.gpt import get_config
 
     cfg = get_config(args.preset)
     sampler = BatchSampler(load_corpus(), args.batch, cfg.seq_len, 0, rank, 2)

@@ -14,6 +14,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "NONFINITE",
+    "PRECISIONS",
+    "REDUCE_DTYPES",
+    "STAGES",
+    "STEP_WITHOUT_BACKWARD",
+    "ZeroConfig",
+]
+
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")

@@ -35,7 +35,7 @@ import torch
 
 import zerodp
 from zerodp.memory.alloc_trace import AllocationTrace
-from zerodp.models.gpt import GPT, get_config
+from zerodp.apps.models.gpt import GPT, get_config
 
 TIMEOUT = 180.0
 WORLD = 2

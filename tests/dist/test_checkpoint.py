@@ -25,8 +25,8 @@ from zerodp.checkpoint import (
     load_model_state_dict,
     save_checkpoint,
 )
-from zerodp.checkpoint.save import CRASH_ENV
-from zerodp.models.gpt import GPT, get_config
+from zerodp.checkpoint import faults
+from zerodp.apps.models.gpt import GPT, get_config
 
 World = Callable[[int], WorldPool]
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 16, 8, 5, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks
@@ -243,8 +243,18 @@ def _save_continue_then_crash(root: str, results: str) -> None:
     save_checkpoint(root, model, opt, extra={"sampler": K})
     losses = train(model, opt, K, 2 * K, rank, world)
     torch.save((losses, dict(model.state_dict())), os.path.join(results, f"ref{rank}.pt"))
-    os.environ[CRASH_ENV] = "1"  # rank 1 exits halfway through writing its file
-    save_checkpoint(root, model, opt)
+    faults.hooks.writing_rank_file = _rank_1_dies_halfway
+    try:
+        save_checkpoint(root, model, opt)
+    finally:
+        faults.hooks.writing_rank_file = None
+
+
+def _rank_1_dies_halfway(rank: int, index: int, count: int, flush: Callable[[], None]) -> None:
+    """Rank 1 exits abruptly halfway through writing its file, as a killed process would."""
+    if rank == 1 and index == count // 2:
+        flush()
+        os._exit(17)
 
 
 def _resume_in_new_processes(root: str) -> tuple[Any, list[float], dict[str, torch.Tensor]]:
@@ -369,7 +379,7 @@ def _save_for_consolidation(root: str) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def test_consolidate_equals_state_dict(world: World, tmp_path: Path) -> None:
-    from zerodp.cli.consolidate import add_parser
+    from zerodp.apps.cli.consolidate import add_parser
 
     net_sd, gpt_sd = world(2).run(_save_for_consolidation, str(tmp_path), timeout=60)[0]
     for name, sd, plain in (("net", net_sd, Net()), ("gpt", gpt_sd, GPT(get_config("tiny")))):

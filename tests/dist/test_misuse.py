@@ -39,7 +39,7 @@ from zerotest import (
 )
 
 import zerodp
-from zerodp.models.gpt import GPT, get_config
+from zerodp.apps.models.gpt import GPT, get_config
 
 STAGES = [0, 1, 2, 3]
 TIMEOUT = 240.0

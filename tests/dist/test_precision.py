@@ -252,8 +252,8 @@ def test_parameter_and_buffer_dtypes(world):
 
 
 def case_train_gpt(precision: str, steps: int) -> list[float]:
-    from zerodp.data.corpus import BatchSampler, load_corpus
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.data.corpus import BatchSampler, load_corpus
+    from zerodp.apps.models.gpt import GPT, get_config
 
     rank, world = rank_world()
     torch.manual_seed(0)

@@ -167,7 +167,7 @@ def test_traffic_is_three_times_the_units_and_memory_is_bounded(world, world_siz
 
 
 def case_gpt_traffic() -> dict:
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
 
     rank, world = rank_world()
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_gpt_default_units_traffic_and_bound(world):
 def _gpt_attached(tied: bool, width: int, bucket_bytes: int, steps: int) -> dict:
     """The tiny GPT with its 256 x width embedding (and untied head) as attached units, and
     reduce-scatters in bucket_bytes chunks; the loss also reads wte.weight outside any forward."""
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
     from zerodp.params.reduce import chunk_plan
 
     rank, world = rank_world()

@@ -276,7 +276,7 @@ def _fixed_mmap_threshold() -> None:
 
 
 def case_sharded_construction(limit_fraction: float) -> dict:
-    from zerodp.models.gpt import GPT, GPTConfig, num_parameters
+    from zerodp.apps.models.gpt import GPT, GPTConfig, num_parameters
 
     _fixed_mmap_threshold()
 
@@ -334,7 +334,7 @@ def test_sharded_construction_never_holds_the_full_model(world):
 
 
 def _sharded_gpt(tied: bool, leaf_min: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
 
     torch.manual_seed(7)
     with zerodp.sharded_init():
@@ -346,7 +346,7 @@ def _sharded_gpt(tied: bool, leaf_min: int) -> tuple[nn.Module, torch.optim.Opti
 def case_sharded_construction_attached(tied: bool) -> list[str]:
     """Attached units (wte, the untied head) are materialised with the root and initialised by
     its init_weights: the same numbers as without them (and, tied, as a normal build)."""
-    from zerodp.models.gpt import GPT, get_config
+    from zerodp.apps.models.gpt import GPT, get_config
 
     model, opt = _sharded_gpt(tied, 2**14)
     plain, _ = _sharded_gpt(tied, 2**30)

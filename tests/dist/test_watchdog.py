@@ -13,7 +13,7 @@ import torch
 from harness import run_world
 
 import zerodp
-from zerodp.models.gpt import GPT, PRESETS
+from zerodp.apps.models.gpt import GPT, PRESETS
 
 WATCHDOG_S = 2.0
 
@@ -120,7 +120,7 @@ def test_stalled_rank_is_named_on_every_rank(stage: int) -> None:
 _DYING_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 import zerodp
-from zerodp.models.gpt import GPT, PRESETS
+from zerodp.apps.models.gpt import GPT, PRESETS
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

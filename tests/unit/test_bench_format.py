@@ -1,181 +1,111 @@
-"""The pure table/JSON helpers of ``benchmarks/bench_stages.py`` (no ranks are launched)."""
+"""``zerodp bench``'s statistics, command line, optimizer clock and operator profile (no ranks).
+
+These were the pure helpers of ``benchmarks/bench_stages.py``; that script is gone, and what it
+measured that ``zerodp bench`` did not (the torch optimizer's own time within ``step``, the top
+operators under torch.profiler, zerodp's collectives by kind) is now part of ``zerodp bench``.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from pathlib import Path
-
 import pytest
+import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
+from zerodp.apps.bench import stats
+from zerodp.apps.bench.operators import format_profile_table, top_operators
+from zerodp.apps.bench.runner import OptimizerClock
+from zerodp.apps.bench.systems import BY_NAME
+from zerodp.apps.bench.table import OPTIMIZER, PHASES, format_meta, ledger_cell
+from zerodp.apps.cli.main import build_parser
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_stages", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_stages"] = module  # dataclass/annotation lookups need it registered
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("bench_stages", None)
+MIB = 2**20
 
 
-def _report(bench):
-    times = {"ddp": [1.0, 2.0, 1.0, 1.0], "zero1": [0.9, 1.8, 1.0, 1.1]}
-    phases = {
-        "ddp": [{"forward": 0.3, "backward": 0.6, "total": 1.0}] * 4,
-        "zero1": [{"forward": 0.3, "backward": 0.5, "wait": 0.05, "gather": 0.02, "total": 0.9}],
-    }
-    memory = {
-        "ddp": {"parameters": 4 * 2**20, "gradients": 4 * 2**20, "model_states": 16 * 2**20},
-        "zero1": {"parameters": 4 * 2**20, "optimizer_state": 4 * 2**20, "comm_buffers": 0},
-    }
-    parity = {"ddp": {"max_rel_diff": 0.0, "max_abs_diff": 0.0}, "zero1": None}
-    return bench.build_report(
-        meta={"preset": "tiny", "world_size": 2, "steps": 4},
-        times=times,
-        phases=phases,
-        memory=memory,
-        parity=parity,
-        comm={"zero1": {"calls": {"all_gather": 4}, "bytes": {"all_gather": 3 * 2**20}}},
-        profile={"ddp": [{"name": "aten::mm", "self_ms_per_step": 12.3, "calls_per_step": 4}]},
-    )
+def test_command_line_defaults_and_validation() -> None:
+    args = build_parser().parse_args(["bench", "--steps", "3", "--configs", "zero1,ddp"])
+    assert args.steps == 3 and args.configs == ["zero1", "ddp"]
+    assert args.world_size is None and args.preset == "bench25m" and args.batch == 4
+    assert args.profile_steps == 0
+    assert build_parser().parse_args(["bench", "--profile-steps", "3"]).profile_steps == 3
+    for bad in (["--steps", "0"], ["--configs", "ddp,zero9"], ["--profile-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", *bad])
 
 
-def test_parse_configs(bench):
-    assert bench.parse_configs("ddp, zero2,zero0") == ["ddp", "zero2", "zero0"]
-    with pytest.raises(ValueError, match="unknown"):
-        bench.parse_configs("ddp,zero3")
-    with pytest.raises(ValueError, match="repeated"):
-        bench.parse_configs("ddp,ddp")
-    with pytest.raises(ValueError, match="empty"):
-        bench.parse_configs(" , ")
+def test_zero_stage_of_each_configuration() -> None:
+    names = ("ddp", "plain", "zero0", "zero1", "zero2", "zero3")
+    assert [BY_NAME[c].zero_stage for c in names] == [0, 0, 0, 1, 2, 3]
+    assert [BY_NAME[c].family for c in names] == ["torch"] * 2 + ["zerodp"] * 4
 
 
-def test_parse_args_defaults_and_validation(bench):
-    args = bench.parse_args(["--steps", "3", "--configs", "zero1,ddp"])
-    assert args.steps == 3 and args.config_list == ["zero1", "ddp"]
-    assert args.world_size == 2 and args.preset == "bench25m" and args.batch == 4
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--steps", "0"])
-
-
-def test_stage_of(bench):
-    assert [bench.stage_of(c) for c in ("ddp", "zero0", "zero1", "zero2", "local")] == [
-        None,
-        0,
-        1,
-        2,
-        None,
-    ]
-
-
-def test_round_order_rotates_every_position(bench):
+def test_round_order_rotates_every_position() -> None:
     configs = ["a", "b", "c"]
-    orders = [bench.round_order(configs, s) for s in range(3)]
+    orders = [stats.round_order(configs, s) for s in range(3)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     for pos in range(3):  # each configuration runs in each position once per cycle
         assert sorted(o[pos] for o in orders) == configs
-    assert bench.round_order(configs, 4) == orders[1]
+    assert stats.round_order(configs, 4) == orders[1]
 
 
-def test_percentile_and_summarize(bench):
-    assert bench.percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
-    assert bench.percentile([5.0], 25) == 5.0
-    assert bench.percentile([0.0, 10.0], 25) == pytest.approx(2.5)
+def test_percentile_and_summarize() -> None:
+    assert stats.percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert stats.percentile([5.0], 25) == 5.0
+    assert stats.percentile([0.0, 10.0], 25) == pytest.approx(2.5)
     with pytest.raises(ValueError):
-        bench.percentile([], 50)
-    s = bench.summarize([1.0, 2.0, 3.0, 4.0, 100.0])
+        stats.percentile([], 50)
+    s = stats.summarize([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 100.0 and s["n"] == 5
     assert s["p25"] == 2.0 and s["p75"] == 4.0
     assert s["iqr_rel"] == pytest.approx(2.0 / 3.0)
 
 
-def test_paired_ratios(bench):
-    r = bench.paired_ratios({"ddp": [1.0, 2.0, 4.0], "z": [2.0, 2.0, 2.0]})
-    assert r["ddp"]["median"] == 1.0
-    assert r["z"]["median"] == 1.0 and r["z"]["p25"] == 0.75 and r["z"]["p75"] == 1.5
-    assert bench.paired_ratios({"z": [1.0]}) == {}
+def test_phase_medians_and_max_over_ranks() -> None:
+    order = (*PHASES, OPTIMIZER)
+    samples = [{"forward": 1.0, "total": 2.0}, {"forward": 3.0, "total": 4.0, OPTIMIZER: 0.5}]
+    ph = stats.phase_medians(samples, order)
+    assert ph == {"forward": 2.0, "total": 3.0, OPTIMIZER: 0.25}
+    assert list(ph) == [p for p in order if p in ph]  # table order
+    assert stats.phase_medians([], order) == {}
+    assert stats.max_over_ranks([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
 
 
-def test_phase_medians_and_max_over_ranks(bench):
-    ph = bench.phase_medians([{"forward": 1.0, "total": 2.0}, {"forward": 3.0, "total": 4.0}])
-    assert ph == {"forward": 2.0, "total": 3.0}
-    assert list(ph) == [p for p in bench.PHASES if p in ph]  # table order
-    assert bench.phase_medians([]) == {}
-    assert bench.max_over_ranks([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
-
-
-def test_build_report_is_json_and_has_ratios(bench):
-    rep = _report(bench)
-    json.dumps(rep)  # serialisable as is
-    ddp, z1 = rep["configs"]["ddp"], rep["configs"]["zero1"]
-    assert ddp["ratio_to_ddp"] == 1.0 and ddp["stage"] is None
-    assert z1["stage"] == 1
-    assert z1["step_time_s"]["median"] == pytest.approx(1.05)
-    assert z1["ratio_to_ddp"] == pytest.approx(1.05 / 1.0)
-    assert z1["paired_ratio_to_ddp"]["median"] == pytest.approx(0.95)
-    assert z1["phases_median_s"]["wait"] == 0.05
-    assert z1["comm_last_step"]["calls"] == {"all_gather": 4}
-    assert z1["step_times_s"] == [0.9, 1.8, 1.0, 1.1]
-
-
-def test_build_report_without_reference(bench):
-    rep = bench.build_report(
-        meta={}, times={"zero2": [1.0, 3.0]}, phases={}, memory={}, parity={"zero2": None}
-    )
-    c = rep["configs"]["zero2"]
-    assert c["ratio_to_ddp"] is None and c["paired_ratio_to_ddp"] is None
-    assert "| zero2 | 2000 | 1000 |" in bench.format_table(rep)
-
-
-def test_format_table(bench):
-    text = bench.format_table(_report(bench))
-    lines = text.splitlines()
-    assert lines[0].startswith("| config | median ms | min ms |")
-    assert all(line.count("|") == lines[0].count("|") for line in lines)
-    ddp = next(line for line in lines if line.startswith("| ddp "))
-    z1 = next(line for line in lines if line.startswith("| zero1 "))
-    assert "| 1000 | 1000 |" in ddp and "| 1.000 |" in ddp and "| 4.0 | 4.0 |" in ddp
-    assert "| 0 |" in ddp  # exact parity prints as 0
-    assert "| 1050 | 900 |" in z1 and "| 1.050 |" in z1 and "n/a" in z1
-    assert "0.950 (" in z1
-
-
-def test_format_phase_and_profile_tables(bench):
-    rep = _report(bench)
-    phase = bench.format_phase_table(rep).splitlines()
-    assert phase[0] == "| config | " + " | ".join(bench.PHASES) + " |"
-    assert phase[2] == "| ddp | - | 300 | 600 | - | - | - | 1000 |"
-    prof = bench.format_profile_table(rep["profile"])
-    assert prof == "- **ddp** (ms/step): aten::mm 12"
-    assert bench.format_profile_table({}) == ""
-
-
-def test_format_comm_and_meta(bench):
-    rep = _report(bench)
-    assert bench.format_comm(rep) == "- zero1: all_gather 4x 3.0 MiB"
-    meta = {"preset": "x", "loadavg_start": [1.5, 0, 0], "loadavg_end": [2.25, 0, 0]}
-    assert bench.format_meta(meta) == "preset=x, loadavg 1.50->2.25"
-
-
-def test_format_report_mentions_meta_and_tables(bench):
-    text = bench.format_report(_report(bench))
-    assert "preset=tiny, world_size=2, steps=4" in text
-    assert "all_gather 4x" in text
-    assert "| zero1 |" in text and "Median phase times" in text and "aten::mm" in text
-
-
-def test_top_operators_uses_medians(bench):
+def test_top_operators_uses_medians() -> None:
     samples = [{"mm": 10.0, "copy": 1.0}, {"mm": 12.0, "copy": 500.0}, {"mm": 11.0}]
-    ops = bench.top_operators(samples, {"mm": 4, "copy": 1})
+    ops = top_operators(samples, {"mm": 4, "copy": 1})
     assert [o["name"] for o in ops] == ["mm", "copy"]
     assert ops[0]["self_ms_per_step"] == 11.0 and ops[0]["calls_per_step"] == 4
     assert ops[1]["self_ms_per_step"] == 1.0  # one descheduled step does not dominate
-    assert bench.top_operators(samples, {}, top=1)[0]["name"] == "mm"
-    assert bench.top_operators([], {}) == []
+    assert top_operators(samples, {}, top=1)[0]["name"] == "mm"
+    assert top_operators([], {}) == []
+
+
+def test_profile_table_shows_rank_0s_top_operators() -> None:
+    ops = [{"name": "aten::mm", "self_ms_per_step": 12.3, "calls_per_step": 4}]
+    report = {"configs": {"ddp": {"profile_rank0": ops}, "zero2": {"profile_rank0": None}}}
+    assert format_profile_table(report) == "- **ddp** (ms/step): aten::mm 12"
+    assert format_profile_table({"configs": {"ddp": {}}}) == ""
+
+
+def test_ledger_cell_and_meta() -> None:
+    stats_dict = {"calls": {"all_gather": 4}, "bytes": {"all_gather": 3 * MIB}}
+    assert ledger_cell(stats_dict) == "all_gather 4x 3.0 MiB"
+    assert ledger_cell(None) == "-"
+    meta = {"preset": "x", "loadavg_start": [1.5, 0, 0], "loadavg_end": [2.25, 0, 0]}
+    assert format_meta(meta) == "preset=x, loadavg 1.50->2.25"
+
+
+def test_optimizer_clock_times_only_the_optimizers_own_steps() -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    with OptimizerClock(opt, torch.device("cpu")) as clock:
+        assert clock.take() is None  # no step yet
+        opt.step()
+        opt.step()  # zerodp's mixed precision steps once per bucket: the calls add up
+        seconds = clock.take()
+        assert seconds is not None and seconds > 0
+        assert clock.take() is None  # taken
+    opt.step()  # hooks removed on exit
+    assert clock.take() is None
+    with OptimizerClock(opt, torch.device("cuda")) as clock:  # only a device name: no CUDA
+        opt.step()
+        assert clock.take() is None  # kernel launches are not the update: not timed

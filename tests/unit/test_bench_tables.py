@@ -1,7 +1,7 @@
 """``zerodp bench``'s pure parts: configurations, options, report building, tables, parity.
 
 No ranks are launched; the per-rank results are synthetic dicts shaped like
-``zerodp.bench.runner.rank_main``'s.
+``zerodp.apps.bench.runner.rank_main``'s.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from zerodp.bench import stats
-from zerodp.bench.options import BenchOptions
-from zerodp.bench.parity import compare_params
-from zerodp.bench.systems import BY_NAME, KNOWN, parity_tolerance, parse_configs
-from zerodp.bench.table import (
+from zerodp.apps.bench import stats
+from zerodp.apps.bench.options import BenchOptions
+from zerodp.apps.bench.parity import compare_params
+from zerodp.apps.bench.systems import BY_NAME, KNOWN, parity_tolerance, parse_configs
+from zerodp.apps.bench.table import (
     accounting,
     build_report,
     format_breakdown_table,
@@ -97,11 +97,11 @@ def _report() -> dict[str, Any]:
     close = {"model_rel_diff": 2e-6, "max_rel_diff": 3e-4, "max_abs_diff": 1e-7}
     return build_report(
         meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 2},
-        order=["ddp", "zero2", "zero3", "deepspeed1"],
+        order=["ddp", "zero2", "plain", "deepspeed1"],
         statuses={
             "ddp": {"status": "ok"},
             "zero2": {"status": "ok"},
-            "zero3": {"status": "not available", "reason": "stage 3 is not implemented"},
+            "plain": {"status": "not available", "reason": "world size 1 only"},
             "deepspeed1": {"status": "not installed", "reason": "no deepspeed"},
         },
         runs={"ddp": ddp, "zero2": zero2},
@@ -179,7 +179,7 @@ def test_build_report_is_json_with_ratios_and_statuses() -> None:
     assert z2["rss_bytes"]["peak_steps"] == 150 * MIB  # the rank with the highest peak
     assert [r["peak_steps"] for r in z2["rss_bytes_per_rank"]] == [130 * MIB, 150 * MIB]
     assert z2["parity_vs_ddp"]["passed"] and z2["parity_vs_ddp"]["tolerance"] == 1e-5
-    assert rep["configs"]["zero3"]["status"] == "not available"
+    assert rep["configs"]["plain"]["status"] == "not available"
     assert "step_time_s" not in rep["configs"]["deepspeed1"]
 
 
@@ -191,7 +191,7 @@ def test_format_tables() -> None:
     assert "| 0.333 | 0.33 |" in time_table[3]  # medians and the one round
     assert time_table[2].endswith("| identical |")
     assert "| 500 |" in time_table[3] and "2.0e-06 (3.0e-04) ok" in time_table[3]
-    assert "not available (stage 3 is not implemented)" in time_table[4]
+    assert "not available (world size 1 only)" in time_table[4]
     assert "not installed" in time_table[5]
     mem = format_memory_table(rep).splitlines()
     assert len(mem) == 4  # header, rule, the two configurations that ran
@@ -205,8 +205,34 @@ def test_format_tables() -> None:
     assert "| zero2 | 80.0 | 90.0 | 95.0 | 100.0 | 110.0 | 150.0 | 101.0 | 100.0 |" in phases
     comm = format_comm_table(rep)
     assert "| zero2 | 2.000 | 2 | 2 |" in comm and "| ddp | - | 2 | 2 |" in comm
+    assert comm.splitlines()[0].endswith("| how | measured by collective |")
     text = format_report(rep)
     assert "preset=tiny" in text and "Communication per step" in text
+
+
+def test_optimizer_time_and_profile_are_rank_0s() -> None:
+    ranks = [_rank(0, [9.0, 1.0, 1.0]), _rank(1, [9.0, 1.0, 1.0])]
+    for r in ranks:
+        for s in r["steps"]:
+            s["times"]["optimizer"] = 0.1 if r["rank"] == 0 else 0.2
+    ranks[0]["profile"] = [{"name": "aten::mm", "self_ms_per_step": 12.3, "calls_per_step": 4}]
+    rep = build_report(
+        meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 2},
+        order=["zero2"],
+        statuses={},
+        runs={"zero2": [ranks]},
+        parity={},
+    )
+    z2 = rep["configs"]["zero2"]
+    assert z2["phases_median_s"]["optimizer"] == 0.1  # within step: not part of the total
+    assert z2["phases_median_s"]["total"] == 1.0
+    assert z2["profile_rank0"][0]["name"] == "aten::mm"
+    table = format_time_table(rep).splitlines()
+    assert "| step ms | optimizer ms |" in table[0]
+    assert "| 250 | 100 |" in table[2]  # step 1.0 / 4, of which the optimizer 0.1
+    text = format_report(rep)
+    assert "Top operators by median self CPU ms per step" in text
+    assert "- **zero2** (ms/step): aten::mm 12" in text
 
 
 def test_failed_parity_is_flagged() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from zerodp.cli.main import main
+from zerodp.apps.cli.main import main
 from zerodp.memory import GPTShape, activation_bytes, gpt_param_count
 
 # Table 1 of the ZeRO paper (P_os, P_os+g, P_os+g+p in GB), one dict per model size.

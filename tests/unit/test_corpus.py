@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerodp.data import BatchSampler, corpus_files, decode, encode, load_corpus, train_val_split
+from zerodp.apps.data import (
+    BatchSampler,
+    corpus_files,
+    decode,
+    encode,
+    load_corpus,
+    train_val_split,
+)
 
 SMALL = 256 * 1024  # bytes: enough for every property, fast to read
 

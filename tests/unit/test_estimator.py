@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerodp.cli.estimate import format_gb
+from zerodp.apps.cli.estimate import format_gb
 from zerodp.memory import (
     GB,
     BytesPerParam,
@@ -270,7 +270,8 @@ def test_meta_count_equals_real_count_and_formula() -> None:
 
 
 def test_formula_matches_the_librarys_gpt_on_the_meta_device() -> None:
-    gpt = pytest.importorskip("zerodp.models.gpt")
+    from zerodp.apps.models import gpt
+
     config = gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, n_embd=64)
     shape = GPTShape(layers=2, hidden=64, vocab=256, seq_len=64)
     assert count_parameters(lambda: gpt.GPT(config)) == gpt_param_count(shape)

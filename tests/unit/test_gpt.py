@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from zerodp.data import BatchSampler, load_corpus
-from zerodp.models import GPT, PRESETS, Block, GPTConfig, generate, get_config, num_parameters
+from zerodp.apps.data import BatchSampler, load_corpus
+from zerodp.apps.models import GPT, PRESETS, Block, GPTConfig, generate, get_config, num_parameters
 
 # Exact sizes of the presets; the benchmarks and docs quote them, so a change must be deliberate.
 EXPECTED_PARAMS = {

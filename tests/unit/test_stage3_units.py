@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zerodp import ZeroConfig
-from zerodp.models.gpt import GPT, get_config
+from zerodp.apps.models.gpt import GPT, get_config
 from zerodp.params.policy import plan_units
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import chunk_plan

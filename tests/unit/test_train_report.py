@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from zerodp.cli.train import add_train_arguments, options_from_args
-from zerodp.train.launch import (
+from zerodp.apps.cli.train import add_train_arguments, options_from_args
+from zerodp.apps.train.launch import (
     describe_failure,
     format_child_failure,
     format_failures,
     read_error_notes,
 )
-from zerodp.train.loop import lr_factor, resolve_out_dir
-from zerodp.train.options import ErrorNote, TrainOptions, parse_fail_at, under_torchrun
-from zerodp.train.report import (
+from zerodp.apps.train.loop import lr_factor, resolve_out_dir
+from zerodp.apps.train.options import ErrorNote, TrainOptions, parse_fail_at, under_torchrun
+from zerodp.apps.train.report import (
     COMM_UNIT,
     RunResult,
     build_report,
@@ -200,14 +200,14 @@ def test_summary_shows_measured_and_theory_for_memory_and_comm() -> None:
     assert [row["rank"] for row in entry["memory"]] == [0, 1]
 
 
-def test_compare_table_has_one_row_per_stage_and_notes_skipped_ones() -> None:
-    runs = [_run(0), _run(1, [5.0, 4.0, 3.5]), _run(2), RunResult.skipped(3, "not yet")]
+def test_compare_table_has_one_row_per_stage() -> None:
+    runs = [_run(0), _run(1, [5.0, 4.0, 3.5]), _run(2), _run(3)]
     report = build_report(_options(compare_stages=True, stages=(0, 1, 2, 3)), ENV, runs)
     assert report["comparison"]["reference_stage"] == 0
-    assert report["comparison"]["max_abs_loss_diff"] == {"0": 0.0, "1": 0.5, "2": 0.0}
+    assert report["comparison"]["max_abs_loss_diff"] == {"0": 0.0, "1": 0.5, "2": 0.0, "3": 0.0}
     text = format_summary(report)
     assert "Stages compared on the same seed and data (memory per rank):" in text
-    assert "Stage 3: skipped (not yet)" in text
+    assert "Stage 3: 1,000 parameters" in text
     table = text.split("Stages compared")[1].splitlines()
     assert [line.split()[0] for line in table[2:]] == ["0", "1", "2", "3"]
     assert "5.00e-01" in table[3]
@@ -224,11 +224,11 @@ def test_memory_bars_fall_back_to_the_largest_rank_per_run() -> None:
 def test_write_report_writes_valid_json_and_a_png(tmp_path: Path) -> None:
     run = _run(2)
     run.grad_norms = [math.inf, 1.0, 1.0]  # an overflowing step: JSON has no inf
-    report = build_report(_options(), ENV, [run, RunResult.skipped(3, "not yet")])
+    report = build_report(_options(), ENV, [run])
     json_path, png_path = write_report(report, tmp_path / "out")
     loaded = json.loads(json_path.read_text())
     assert loaded["runs"][0]["curves"]["grad_norm"][0] is None
-    assert loaded["runs"][1] == {"stage": 3, "status": "skipped", "note": "not yet"}
+    assert [r["status"] for r in loaded["runs"]] == ["ok"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -260,7 +260,6 @@ def test_compare_stages_runs_every_stage() -> None:
 
 
 def test_bare_resume_means_the_checkpoint_dir() -> None:
-    pytest.importorskip("zerodp.checkpoint")
     assert _parse("--checkpoint-dir", "c", "--resume").resume == "c"
     assert _parse("--resume", "c/step-00000002").resume == "c/step-00000002"
     with pytest.raises(ValueError, match="needs --checkpoint-dir"):
@@ -271,17 +270,8 @@ def test_bare_resume_means_the_checkpoint_dir() -> None:
         _parse("--compare-stages", "--checkpoint-dir", "c")
 
 
-def test_stage_3_is_refused_before_launch_while_not_implemented() -> None:
-    from zerodp.config import ZeroConfig
-    from zerodp.plan import resolve
-
-    try:
-        resolve(ZeroConfig(stage=3))
-    except NotImplementedError:
-        with pytest.raises(ValueError, match="--stage 3 is not available yet"):
-            _parse("--stage", "3")
-    else:
-        assert _parse("--stage", "3").stages == (3,)
+def test_stage_3_is_accepted() -> None:
+    assert _parse("--stage", "3").stages == (3,)
 
 
 def test_under_torchrun_needs_all_three_variables() -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from zerodp.checkpoint import directory as fs
-from zerodp.checkpoint import rng
+from zerodp.checkpoint import faults, rng
 from zerodp.checkpoint.common import (
     attempt,
     engine_of,
@@ -58,9 +58,6 @@ if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
     from zerodp.optim.pieces import OptimPiece
 
-# Test hook: the rank whose number this names exits abruptly halfway through writing its file,
-# as a killed process would (tests/dist/test_checkpoint.py). Read at save time.
-CRASH_ENV = "ZERODP_TEST_CRASH_DURING_SAVE"
 COUNTERS = (
     "skipped_steps",
     "steps_without_backward",
@@ -219,12 +216,11 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine, prep: _Prepared) -> tuple[Ra
     rank = engine.comm.rank
     name = rank_file(rank)
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in prep.tensors]
-    crash = os.environ.get(CRASH_ENV) == str(rank)
+    hook = faults.hooks.writing_rank_file  # None but in tests that kill a rank mid-save
     with TensorFileWriter(tmp / name, specs) as writer:
         for i, (key, tensor) in enumerate(prep.tensors):
-            if crash and i == len(prep.tensors) // 2:
-                writer.flush_for_test()
-                os._exit(17)
+            if hook is not None:
+                hook(rank, i, len(prep.tensors), writer.flush)
             writer.write(key, tensor)
         info = writer.close()
     record = RankRecord(rank, name, tuple(prep.pieces), prep.rng_info, prep.extra)

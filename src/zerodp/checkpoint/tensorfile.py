@@ -126,8 +126,8 @@ class TensorFileWriter:
         with contextlib.suppress(OSError):
             self._file.close()
 
-    def flush_for_test(self) -> None:
-        """Push written bytes to the OS (the crash test kills the process right after)."""
+    def flush(self) -> None:
+        """Push the bytes written so far to the OS (``faults``: before a test kills the rank)."""
         self._file.flush()
 
     def _emit(self, data: bytes | memoryview) -> None:

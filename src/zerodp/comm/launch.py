@@ -6,7 +6,8 @@
 rendezvous on a free port, no restarts, ranks forked from a forkserver that has torch and the
 ``preload`` modules imported. If any rank raises, the agent stops all the others and
 ``RanksFailed`` carries the agent's ``{rank: ProcessFailure}``; ``describe_failure`` turns one
-into text (the rank side's ``@record``, in ``comm/elastic.py``, writes the error file it reads).
+into text. The rank side decorates its entry point with ``record`` (re-exported here from
+``comm/elastic.py``), which writes the error file ``describe_failure`` reads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from signal import Signals
 from typing import Any
+
+from zerodp.comm.elastic import record
+
+__all__ = ["LaunchInterrupted", "RanksFailed", "describe_failure", "launch_ranks", "record"]
 
 # Loggers that would print each failing rank's traceback a second time (the launchers format
 # their own) and the agent's routine shutdown warnings.

@@ -172,8 +172,8 @@ def gpt_param_count(shape: GPTShape, *, biases_and_norms: bool = True) -> int:
 def gpt_largest_unit_params(shape: GPTShape) -> int:
     """Parameters of the largest stage-3 gather unit of a GPT.
 
-    As in ``zerodp.models.gpt``, each transformer block is a unit and the parameters outside the
-    blocks (token and position embeddings, final LayerNorm) form the root unit; whichever is
+    As in ``zerodp.apps.models.gpt``, each transformer block is a unit and the parameters outside
+    the blocks (token and position embeddings, final LayerNorm) form the root unit; whichever is
     larger bounds the gathered bytes.
     """
     root = (shape.vocab + shape.seq_len) * shape.hidden + 2 * shape.hidden

@@ -20,8 +20,8 @@ Seeding: nothing is broadcast; every rank must draw the same numbers. Seed the g
 identically on every rank (``torch.manual_seed(s)``) before ``zerodp.initialize``. A checksum of
 every unit is compared across ranks afterwards and a mismatch raises on every rank. The result
 equals a model built normally after ``torch.manual_seed(s)`` when the model's initialisation
-draws its random numbers unit by unit in this order (true for ``zerodp.models.gpt.GPT`` with tied
-embeddings: embeddings, then each block). ``init_fn`` defaults to the unit module's
+draws its random numbers unit by unit in this order (true for ``zerodp.apps.models.gpt.GPT``
+with tied embeddings: embeddings, then each block). ``init_fn`` defaults to the unit module's
 ``init_weights()`` when it has one taking no arguments, else ``reset_parameters()`` of each module
 of the unit (in module order) whose parameters all belong to the unit.
 """

@@ -1,0 +1,59 @@
+"""What one ``zerodp bench`` invocation measures: a frozen, picklable record of the options.
+
+It travels from the command line to every rank of every launch (pickled by torch's elastic
+launcher), so it holds plain values only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.apps.models.gpt import get_config
+
+MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    """Options of one benchmark; every configuration gets the same model, data and seed."""
+
+    configs: tuple[str, ...] = KNOWN
+    preset: str = "bench25m"
+    world_size: int = 2
+    precision: str = "fp32"
+    steps: int = 10  # timed steps per configuration and round
+    warmup: int = 2  # untimed steps first (the first step allocates optimizer state)
+    batch: int = 4  # sequences per rank per step (of the preset's seq_len)
+    bucket_mb: float = 25.0  # gradient/parameter bucket size for every system that has one
+    rounds: int = 1  # each configuration is launched this many times, in rotated order
+    threads: int = 0  # intra-op threads per rank; 0: the node's cores / ranks per node
+    seed: int = 1234
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    fused_adamw: bool = False  # AdamW(fused=True) for every system (zerodp picks it by itself)
+    profile_steps: int = 0  # after the timed steps, this many under torch.profiler (operators)
+
+    def __post_init__(self) -> None:
+        parse_configs(",".join(self.configs))  # raises ValueError naming the bad names
+        get_config(self.preset)  # likewise for an unknown preset, before any rank starts
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("world_size", "steps", "batch", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.threads < 0 or self.profile_steps < 0:
+            raise ValueError("warmup, threads and profile_steps must be >= 0")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * MIB))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["configs"] = list(self.configs)
+        return d

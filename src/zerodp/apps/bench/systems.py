@@ -1,0 +1,150 @@
+"""The configurations ``zerodp bench`` knows, and what theory says each one moves (pure).
+
+Communication volume per step is in units of Ψ (the number of trainable parameters), counted as
+in the ZeRO paper: an all-reduce moves 2Ψ (a reduce-scatter plus an all-gather), a
+reduce-scatter, all-gather or broadcast of every parameter moves Ψ. ``comm_paper`` is the
+paper's figure for the ZeRO stage the system implements; ``comm_impl`` is what this
+implementation's algorithm moves, read from its source (zerodp's own traffic is also measured
+by its ledger; the peers' is not measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REFERENCE = "ddp"
+"""Every ratio and the parity check are against DistributedDataParallel."""
+
+PRECISIONS = ("fp32", "bf16")
+
+PARITY_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+"""Largest ``max|p - p_ddp| / max|p_ddp|`` over the whole model (``parity.compare_params``)
+that passes. fp32: the systems run the same arithmetic up to the order of a few sums and the
+optimizer kernel (zerodp picks torch's fused AdamW), so after a handful of steps they differ by
+a few ulps of the largest weights, while a skipped or wrong update moves a parameter by about
+lr (3e-4) per step. bf16: each system uses its own mixed-precision recipe (zerodp stores bf16
+parameters with fp32 masters; DDP runs ``torch.autocast`` on fp32 parameters; FSDP2 casts fp32
+shards to bf16), so parameters differ by about one bf16 rounding of the largest weights
+(2^-8 relative), a few times over."""
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """One configuration of the benchmark."""
+
+    name: str  # as given to --configs
+    family: str  # "zerodp", "torch" or "deepspeed": who implements it
+    label: str  # what it is, for the table
+    zero_stage: int  # the ZeRO stage its memory corresponds to (0: plain data parallelism)
+    comm_paper: float  # paper's volume per step for that stage, in Ψ
+    comm_impl: float  # what this implementation moves per step, in Ψ
+    comm_note: str  # how comm_impl comes about
+
+
+SYSTEMS: tuple[System, ...] = (
+    System("ddp", "torch", "DistributedDataParallel", 0, 2, 2, "all-reduce of the gradients"),
+    System(
+        "plain",
+        "torch",
+        "plain PyTorch, no wrapper (world size 1 only)",
+        0,
+        0,
+        0,
+        "none: the overhead baseline for one device",
+    ),
+    System("zero0", "zerodp", "zerodp stage 0", 0, 2, 2, "all-reduce of the gradients"),
+    System("zero1", "zerodp", "zerodp stage 1", 1, 2, 2, "reduce-scatter grads, all-gather params"),
+    System("zero2", "zerodp", "zerodp stage 2", 2, 2, 2, "reduce-scatter grads, all-gather params"),
+    System(
+        "zero3",
+        "zerodp",
+        "zerodp stage 3",
+        3,
+        3,
+        3,
+        "all-gather params in forward and backward, reduce-scatter grads",
+    ),
+    System(
+        "zro",
+        "torch",
+        "torch ZeroRedundancyOptimizer + DDP",
+        1,
+        2,
+        3,
+        "DDP all-reduce (2) + each owner broadcasts its updated parameters (1)",
+    ),
+    System(
+        "fsdp2",
+        "torch",
+        "FSDP2 fully_shard, reshard_after_forward=True",
+        3,
+        3,
+        3,
+        "all-gather per block in forward and again in backward, reduce-scatter grads",
+    ),
+    System(
+        "fsdp2-noreshard",
+        "torch",
+        "FSDP2 fully_shard, reshard_after_forward=False",
+        3,
+        3,
+        2,
+        "all-gather per block in forward only (kept until backward), reduce-scatter grads",
+    ),
+    System(
+        "deepspeed1",
+        "deepspeed",
+        "DeepSpeed ZeRO stage 1",
+        1,
+        2,
+        3,
+        "default use_multi_rank_bucket_allreduce: all-reduce grad buckets (2), all-gather (1)",
+    ),
+    System(
+        "deepspeed2",
+        "deepspeed",
+        "DeepSpeed ZeRO stage 2",
+        2,
+        2,
+        3,
+        "default use_multi_rank_bucket_allreduce: all-reduce grad buckets (2), all-gather (1)",
+    ),
+    System(
+        "deepspeed3",
+        "deepspeed",
+        "DeepSpeed ZeRO stage 3",
+        3,
+        3,
+        3,
+        "all-gather params in forward and backward, reduce-scatter grads",
+    ),
+)
+
+BY_NAME = {s.name: s for s in SYSTEMS}
+KNOWN = tuple(BY_NAME)
+
+
+def parse_configs(text: str) -> list[str]:
+    """``"ddp,zero1"`` -> ``["ddp", "zero1"]``; ``"all"`` -> every configuration. Unknown or
+    repeated names raise ``ValueError``."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(KNOWN)
+    if not names:
+        raise ValueError("--configs is empty")
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown:
+        choices = ", ".join(["all", *KNOWN])
+        raise ValueError(f"unknown config(s) {unknown}; choose from {choices}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"repeated config in {names}")
+    return names
+
+
+def parity_tolerance(precision: str) -> float:
+    """The largest relative difference to DDP that counts as the same training (see
+    ``PARITY_TOLERANCE``)."""
+    try:
+        return PARITY_TOLERANCE[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}") from None

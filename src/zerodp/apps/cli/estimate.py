@@ -1,0 +1,341 @@
+"""``zerodp estimate``: per-rank memory of ZeRO-DP stages 0-3 across world sizes, in theory.
+
+``zerodp estimate --params 7.5e9 --world-sizes 1,4,16,64,256,1024`` prints the 7.5B row of the
+ZeRO paper's Table 1 (mixed-precision Adam, K = 12), with a stage-0 column added. Describe a GPT
+(``--gpt-*``) to add activations; give ``--device-memory-gb`` to see what fits and which stage to
+use. Only arithmetic runs: no process group, and this command needs torch only for ``--model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+from typing import Any
+
+from zerodp.apps.cli.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from zerodp.config import ZeroConfig
+from zerodp.memory import (
+    GB,
+    OPTIMIZER_STATE_BYTES,
+    PRECISIONS,
+    STAGES,
+    BytesPerParam,
+    GPTShape,
+    MemoryEstimate,
+    Overheads,
+    activation_bytes,
+    bytes_per_param,
+    count_parameters,
+    dtype_bytes,
+    estimate_memory,
+    fits,
+    gpt_largest_unit_params,
+    gpt_param_count,
+)
+
+_GPT_FLAGS = ("gpt_layers", "gpt_hidden", "gpt_vocab", "gpt_seq")
+_COLUMN = 10
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``estimate`` subcommand on the dispatcher's subparsers."""
+    p = subparsers.add_parser(
+        "estimate",
+        help="per-rank memory of ZeRO stages 0-3 across world sizes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = p.add_argument_group("model (give exactly one of --params, --gpt-*, --model)")
+    model.add_argument(
+        "--params", type=positive_float, metavar="N", help="parameter count, e.g. 7.5e9"
+    )
+    model.add_argument(
+        "--gpt-layers", type=positive_int, metavar="L", help="GPT transformer blocks"
+    )
+    model.add_argument("--gpt-hidden", type=positive_int, metavar="H", help="GPT hidden size")
+    model.add_argument("--gpt-vocab", type=positive_int, metavar="V", help="GPT vocabulary size")
+    model.add_argument("--gpt-seq", type=positive_int, metavar="S", help="GPT sequence length")
+    model.add_argument(
+        "--gpt-batch",
+        type=positive_int,
+        default=1,
+        metavar="B",
+        help="micro-batch per rank (default 1)",
+    )
+    model.add_argument(
+        "--model", metavar="MODULE:FACTORY", help="count a model built on the meta device"
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        default=[1, 4, 16, 64, 256, 1024],
+        metavar="N,N,...",
+        help="comma-separated data-parallel degrees (default 1,4,16,64,256,1024)",
+    )
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16")
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZER_STATE_BYTES),
+        default="adam",
+        help="sets K: its fp32 state, +4 B master copy with bf16/fp16 (default adam)",
+    )
+    p.add_argument(
+        "--k",
+        type=non_negative_float,
+        metavar="K",
+        help="optimizer bytes per parameter (overrides table)",
+    )
+    p.add_argument(
+        "--bucket-bytes",
+        type=positive_int,
+        default=ZeroConfig().bucket_bytes,
+        metavar="BYTES",
+        help="gradient bucket size in bytes (default: ZeroConfig's)",
+    )
+    p.add_argument(
+        "--prefetch-depth",
+        type=non_negative_int,
+        default=1,
+        metavar="D",
+        help="stage-3 units gathered ahead",
+    )
+    p.add_argument(
+        "--largest-unit-params",
+        type=positive_float,
+        metavar="N",
+        help="parameters of the largest stage-3 gather unit (default: from --gpt-*, else 0)",
+    )
+    p.add_argument(
+        "--device-memory-gb", type=positive_float, metavar="GB", help="memory per device (1e9 B)"
+    )
+    p.add_argument("--activation-checkpointing", action="store_true", help="with --gpt-* only")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run, estimate_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute the estimates for every world size and stage and print them."""
+    parser: argparse.ArgumentParser = args.estimate_parser
+    num_params, shape = _model_size(args, parser)
+    if args.activation_checkpointing and shape is None:
+        parser.error("--activation-checkpointing needs a GPT description (--gpt-*)")
+    per_param = bytes_per_param(args.precision, args.optimizer, k=args.k)
+    overheads = _overheads(args, shape, per_param)
+    device_bytes = None if args.device_memory_gb is None else args.device_memory_gb * GB
+    rows = [
+        [estimate_memory(num_params, n, stage, per_param, overheads) for stage in STAGES]
+        for n in args.world_sizes
+    ]
+    if args.json:
+        print(json.dumps(_to_json(args, num_params, per_param, overheads, device_bytes, rows)))
+    else:
+        print(_to_text(args, num_params, per_param, overheads, device_bytes, rows))
+    return 0
+
+
+def format_gb(num_bytes: float) -> str:
+    """Bytes as GB (1e9) at the precision the ZeRO paper's Table 1 prints.
+
+    From the table's own numbers: 100 GB and more is truncated to whole GB (513.5 -> "513",
+    4187.5 -> "4187", 2218.75 -> "2218"); smaller values are rounded half up to 1 decimal from
+    10 GB (41.25 -> "41.3", 15.625 -> "15.6") and to 2 decimals below (1.875 -> "1.88"), and
+    below 1 GB to 2 significant figures (0.46875 -> "0.47"); trailing zeros are dropped
+    ("7.5", "30").
+    """
+    # 12 significant digits wash out float noise, so 41.25 is not seen as 41.2499999.
+    value = Decimal(f"{num_bytes / GB:.12g}")
+    if value == 0:
+        return "0"
+    if value >= 100:
+        rounded = value.quantize(Decimal(1), rounding=ROUND_DOWN)
+    elif value >= 1:
+        step = Decimal("0.1") if value >= 10 else Decimal("0.01")
+        rounded = value.quantize(step, rounding=ROUND_HALF_UP)
+    else:
+        step = Decimal(1).scaleb(value.adjusted() - 1)
+        rounded = value.quantize(step, rounding=ROUND_HALF_UP)
+    return format(rounded.normalize(), "f")
+
+
+def _model_size(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[float, GPTShape | None]:
+    given_gpt = [flag for flag in _GPT_FLAGS if getattr(args, flag) is not None]
+    sources = [args.params is not None, bool(given_gpt), args.model is not None]
+    if sum(sources) != 1:
+        parser.error("give exactly one of --params, --gpt-layers/--gpt-hidden/..., or --model")
+    if given_gpt:
+        missing = [f"--{f.replace('_', '-')}" for f in _GPT_FLAGS if f not in given_gpt]
+        if missing:
+            parser.error(f"a GPT description also needs {', '.join(missing)}")
+        shape = GPTShape(
+            layers=args.gpt_layers,
+            hidden=args.gpt_hidden,
+            vocab=args.gpt_vocab,
+            seq_len=args.gpt_seq,
+            micro_batch=args.gpt_batch,
+        )
+        return float(gpt_param_count(shape)), shape
+    if args.model is not None:
+        # A console script does not put the working directory on sys.path; `--model mymod:f`
+        # run from a project directory should still find mymod.
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        try:
+            return float(count_parameters(args.model)), None
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            parser.error(f"--model {args.model}: {exc}")
+    return float(args.params), None
+
+
+def _overheads(
+    args: argparse.Namespace, shape: GPTShape | None, per_param: BytesPerParam
+) -> Overheads:
+    activations = 0.0
+    unit_params = args.largest_unit_params or 0.0
+    if shape is not None:
+        activations = activation_bytes(
+            shape,
+            dtype_bytes=dtype_bytes(args.precision),
+            checkpointing=args.activation_checkpointing,
+        )
+        unit_params = args.largest_unit_params or gpt_largest_unit_params(shape)
+    return Overheads(
+        activation_bytes=activations,
+        bucket_bytes=args.bucket_bytes,
+        largest_unit_bytes=unit_params * per_param.param_bytes,
+        prefetch_depth=args.prefetch_depth,
+    )
+
+
+def _to_text(
+    args: argparse.Namespace,
+    num_params: float,
+    per_param: BytesPerParam,
+    overheads: Overheads,
+    device_bytes: float | None,
+    rows: list[list[MemoryEstimate]],
+) -> str:
+    optimizer = "K override" if args.k is not None else args.optimizer
+    lines = [
+        "Per-rank model-state memory in GB (1 GB = 1e9 bytes), as in the ZeRO paper's Table 1",
+        f"{num_params:,.0f} parameters; {args.precision} parameters ({per_param.param_bytes:g} B)"
+        f" and gradients ({per_param.grad_bytes:g} B); {optimizer} optimizer state"
+        f" K = {per_param.optimizer_bytes_per_param:g} B per parameter",
+        "",
+        _header(),
+    ]
+    for row in rows:
+        lines.append(_row(row[0].world_size, [format_gb(e.model_states.total) for e in row]))
+    lines.append("")
+    if overheads.activation_bytes:
+        how = "with" if args.activation_checkpointing else "without"
+        lines.append(
+            f"Activations per rank: {format_gb(overheads.activation_bytes)} GB"
+            f" ({how} activation checkpointing, micro-batch {args.gpt_batch})"
+        )
+    else:
+        lines.append("Activations: not counted (describe the model with --gpt-* to include them)")
+    buffers = ", ".join(f"stage {e.stage} {format_gb(e.buffers)}" for e in rows[0])
+    lines.append(f"Communication buffers per rank (GB): {buffers}")
+    if device_bytes is not None:
+        lines += ["", *_fit_table(rows, device_bytes, args.device_memory_gb)]
+    return "\n".join(lines)
+
+
+def _fit_table(
+    rows: list[list[MemoryEstimate]], device_bytes: float, device_gb: float
+) -> list[str]:
+    lines = [
+        f"Total per rank (model states + activations + buffers) in GB on a {device_gb:g} GB device",
+        _header() + "  recommended",
+    ]
+    for row in rows:
+        cells = [f"{format_gb(e.total)} {'yes' if fits(e, device_bytes) else 'no'}" for e in row]
+        best = _recommended(row, device_bytes)
+        lines.append(_row(row[0].world_size, cells) + f"  {_stage_name(best)}")
+    return lines
+
+
+def _recommended(row: list[MemoryEstimate], device_bytes: float) -> int | None:
+    # recommend_stage's answer, from the estimates already computed for the table.
+    return next((e.stage for e in row if fits(e, device_bytes)), None)
+
+
+def _to_json(
+    args: argparse.Namespace,
+    num_params: float,
+    per_param: BytesPerParam,
+    overheads: Overheads,
+    device_bytes: float | None,
+    rows: list[list[MemoryEstimate]],
+) -> dict[str, Any]:
+    world_sizes = []
+    for row in rows:
+        n = row[0].world_size
+        recommended = None if device_bytes is None else _recommended(row, device_bytes)
+        world_sizes.append(
+            {
+                "world_size": n,
+                "stages": [_estimate_json(e, device_bytes) for e in row],
+                "recommended_stage": recommended,
+            }
+        )
+    return {
+        "num_params": num_params,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "bytes_per_param": per_param._asdict(),
+        "gb": GB,
+        "activation_checkpointing": args.activation_checkpointing,
+        "activation_bytes": overheads.activation_bytes,
+        "bucket_bytes": overheads.bucket_bytes,
+        "largest_unit_bytes": overheads.largest_unit_bytes,
+        "prefetch_depth": overheads.prefetch_depth,
+        "device_memory_bytes": device_bytes,
+        "world_sizes": world_sizes,
+    }
+
+
+def _estimate_json(e: MemoryEstimate, device_bytes: float | None) -> dict[str, Any]:
+    return {
+        "stage": e.stage,
+        "parameters": e.model_states.parameters,
+        "gradients": e.model_states.gradients,
+        "optimizer_state": e.model_states.optimizer_state,
+        "model_states": e.model_states.total,
+        "activations": e.activations,
+        "buffers": e.buffers,
+        "total": e.total,
+        "fits": None if device_bytes is None else fits(e, device_bytes),
+    }
+
+
+def _header() -> str:
+    return "world size" + "".join(f"stage {s}".rjust(_COLUMN) for s in STAGES)
+
+
+def _row(world_size: int, cells: Sequence[str]) -> str:
+    return f"{world_size:>10}" + "".join(cell.rjust(_COLUMN) for cell in cells)
+
+
+def _stage_name(stage: int | None) -> str:
+    return "none" if stage is None else f"stage {stage}"
+
+
+def _world_sizes(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 1,4,16; got {text!r}"
+        )
+    return [int(part) for part in parts]

@@ -1,0 +1,155 @@
+"""The terminal summary of a ``zerodp train`` run: one block per stage, and a table comparing the
+stages when there are several. A pure function of the report dictionary (``report.build_report``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerodp.apps.train.result import SMOOTH_STEPS
+from zerodp.apps.train.theory import CATEGORY_LABELS, MB, MEMORY_CATEGORIES
+
+
+def format_mb(num_bytes: float | None) -> str:
+    """Bytes as MB (1e6), to about 3 significant figures: 13234567 -> "13.2", 482304 ->
+    "0.48"."""
+    if num_bytes is None:
+        return "n/a"
+    value = num_bytes / MB
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 0.01:
+        return f"{value:.2f}"
+    return f"{value:.2g}"
+
+
+def format_count(n: float) -> str:
+    """3257856 -> "3.26M"; 120576 -> "121k"; 950 -> "950"."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.3g}{suffix}" if value < 1000 else f"{value:,.0f}{suffix}"
+    return f"{n:g}"
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """The terminal summary: one block per run, plus the comparison table when there are
+    several stages."""
+    lines = [_header_line(report)]
+    for entry in report["runs"]:
+        lines += ["", *_run_lines(entry)]
+    if "comparison" in report:
+        lines += ["", *format_compare_table(report)]
+    return "\n".join(lines)
+
+
+def _header_line(report: dict[str, Any]) -> str:
+    o, env = report["options"], report["environment"]
+    accum = f" x {o['grad_accum']} micro-batches" if o["grad_accum"] > 1 else ""
+    return (
+        f"zerodp train: preset {o['preset']}, {o['precision']}, {env['world_size']} ranks "
+        f"({env['backend']}, {env['device']}), {o['steps']} steps of "
+        f"{o['batch']}x{env['seq_len']} tokens per rank{accum}, seed {o['seed']}"
+    )
+
+
+def _run_lines(entry: dict[str, Any]) -> list[str]:
+    stage = entry["stage"]
+    loss, tp = entry["loss"], entry["throughput"]
+    resumed = f", resumed at step {entry['first_step']}" if entry.get("first_step") else ""
+    skipped = entry.get("skipped_steps", 0)
+    if skipped:
+        resumed += f", {skipped} steps skipped for non-finite gradients"
+    lines = [
+        f"Stage {stage}: {entry['num_params']:,} parameters (Ψ){resumed}",
+        f"  loss {loss['first']:.3f} -> {loss['final']:.3f} (mean of the last "
+        f"{min(SMOOTH_STEPS, len(entry['curves']['loss']))} steps, all ranks)",
+        f"  throughput {_tokens_per_s(tp['tokens_per_s'])} tokens/s (all ranks), "
+        f"{_seconds(tp['step_time_s'])} per step, {_seconds(tp['total_time_s'])} in all",
+        *_memory_lines(entry["memory"]),
+        *_comm_lines(entry["comm"]),
+    ]
+    sample = entry["sample"]
+    if sample["text"]:
+        lines.append(f"  sample (prompt {sample['prompt']!r}):")
+        lines += ["    | " + line for line in (sample["prompt"] + sample["text"]).splitlines()]
+    return lines
+
+
+def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
+    names = [*MEMORY_CATEGORIES, "total"]
+    header = "  rank" + "".join(CATEGORY_LABELS.get(n, n).rjust(18) for n in names)
+    lines = ["  memory per rank in MB (1e6 bytes), measured / theory:", header]
+    for row in per_rank:
+        theory = row["theory"] or {}
+        cells = [
+            f"{format_mb(row['measured'][n])} / {format_mb(theory.get(n))}".rjust(18) for n in names
+        ]
+        lines.append(f"  {row['rank']:>4}" + "".join(cells))
+    lines.append(
+        "  comm buffers: two staging buckets in the reduce dtype (stage 2, and every stage when"
+        " gradients are reduced in another dtype than they are stored in)"
+    )
+    return lines
+
+
+def _comm_lines(comm: dict[str, Any] | None) -> list[str]:
+    if comm is None:
+        return ["  communication: none recorded"]
+    kinds = ", ".join(
+        f"{kind} {format_count(n)}" for kind, n in sorted(comm["last_step"]["elements"].items())
+    )
+    ratio = comm["measured_elements"] / comm["theory_elements"] if comm["theory_elements"] else 0
+    steady = "" if comm["steady"] else " (varied between steps)"
+    return [
+        f"  communication per step{steady}: measured {format_count(comm['measured_elements'])} "
+        f"elements = {format_mb(comm['measured_bytes'])} MB vs theory {comm['formula']} = "
+        f"{format_count(comm['theory_elements'])} elements = {format_mb(comm['theory_bytes'])} MB"
+        f" (measured/theory {ratio:.3f})",
+        f"    by collective: {kinds or 'none'}; units: paper's (all-reduce counted twice)",
+    ]
+
+
+def format_compare_table(report: dict[str, Any]) -> list[str]:
+    """One row per stage: the loss curves coincide while model-state memory per rank falls.
+    Memory is that of the rank holding the most; comm buffers are apart, being a constant
+    set by the bucket size rather than a share of the model."""
+    diffs = report["comparison"]["max_abs_loss_diff"]
+    ref = report["comparison"]["reference_stage"]
+    pair = "MB (meas/theory)"
+    header = (
+        f"{'stage':>5}{'final loss':>12}{f'max |Δloss| vs {ref}':>19}{'tokens/s':>10}"
+        f"{'model states ' + pair:>32}{'comm buffers ' + pair:>32}{'comm/step ' + pair:>29}"
+    )
+    lines = ["Stages compared on the same seed and data (memory per rank):", header]
+    for entry in report["runs"]:
+        stage = entry["stage"]
+        worst = max(entry["memory"], key=lambda row: row["measured"]["total"])
+        measured, theory = worst["measured"], worst["theory"] or {}
+        comm = entry["comm"] or {}
+        lines.append(
+            f"{stage:>5}{entry['loss']['final']:>12.4f}{diffs[str(stage)]:>19.2e}"
+            f"{_tokens_per_s(entry['throughput']['tokens_per_s']):>10}"
+            f"{_pair_mb(measured['model_states'], theory.get('model_states')):>32}"
+            f"{_pair_mb(measured['comm_buffers'], theory.get('comm_buffers')):>32}"
+            f"{_pair_mb(comm.get('measured_bytes'), comm.get('theory_bytes')):>29}"
+        )
+    return lines
+
+
+def _pair_mb(a: float | None, b: float | None) -> str:
+    return f"{format_mb(a)} / {format_mb(b)}"
+
+
+def _tokens_per_s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"

@@ -1,0 +1,89 @@
+"""What the ZeRO paper predicts for a ``zerodp train`` run, and the units both sides are in.
+
+Memory in bytes per rank, by category (``MEMORY_CATEGORIES``; the summary and the figure show
+MB = 1e6 bytes, as the estimator's GB = 1e9); communication in the paper's units (see
+``COMM_UNIT``), per rank and per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerodp.apps.train.result import RunResult
+from zerodp.memory import comm_buffer_bytes
+
+MB = 1e6
+
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "comm_buffers")
+CATEGORY_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "comm_buffers": "comm buffers",
+}
+
+COMM_UNIT = (
+    "elements per rank per optimizer step, in the ZeRO paper's units: a reduce-scatter counts "
+    "its input, an all-gather its output, an all-reduce twice (it is a reduce-scatter plus an "
+    "all-gather); bytes = those elements times their element size"
+)
+
+
+def comm_theory_multiplier(stage: int) -> int:
+    """The paper's per-step volume in units of Ψ: 2 for stages 0-2 (an all-reduce, or a
+    reduce-scatter plus an all-gather), 3 for stage 3 (parameters are gathered twice)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of 0, 1, 2, 3; got {stage!r}")
+    return 3 if stage == 3 else 2
+
+
+def comm_theory_elements(stage: int, num_params: int) -> int:
+    return comm_theory_multiplier(stage) * num_params
+
+
+def comm_theory_bytes(stage: int, num_params: int, param_bytes: int, reduce_bytes: int) -> int:
+    """The paper's volume in bytes: gradients travel in the reduce dtype (one reduce-scatter,
+    or an all-reduce counted as two), parameters in the compute dtype (one all-gather in stages
+    1-2, two in stage 3). In fp32 both are 4 bytes; in bf16 with fp32 reduction 4 and 2."""
+    if stage == 0:
+        return 2 * num_params * reduce_bytes
+    gathers = comm_theory_multiplier(stage) - 1
+    return num_params * (reduce_bytes + gathers * param_bytes)
+
+
+def comm_volume_bytes(comm: dict[str, Any]) -> int:
+    """Bytes of a ``CommStats.to_dict()`` in the paper's units (all-reduce counted twice)."""
+    return sum(n * (2 if kind == "all_reduce" else 1) for kind, n in comm["bytes"].items())
+
+
+def memory_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, float] | None:
+    """The estimator's per-rank bytes by category for this run, or None if the optimizer's K
+    is unknown to it (then the memory report has no theory either)."""
+    states = measured.get("theory")
+    if states is None:
+        return None
+    # A bucket holds bucket_bytes of parameters but never more than the model (else the
+    # estimator's 2 x bucket_bytes would be the configured 32 MiB for a model of a few MB); its
+    # staging copy is in the reduce dtype.
+    bucket_numel = min(run.bucket_bytes // run.element_size, measured["padded_numel"])
+    buffers = comm_buffer_bytes(
+        run.stage,
+        bucket_numel * run.element_size,
+        largest_unit_bytes=run.largest_unit_bytes,
+        param_bytes=run.element_size,
+        reduce_bytes=run.reduce_element_size,
+    )
+    theory = {name: float(states[name]) for name in MEMORY_CATEGORIES[:3]}
+    theory["comm_buffers"] = buffers
+    return _with_totals(theory)
+
+
+def memory_measured(measured: dict[str, Any]) -> dict[str, float]:
+    return _with_totals({name: int(measured[name]) for name in MEMORY_CATEGORIES})
+
+
+def _with_totals(values: dict[str, Any]) -> dict[str, Any]:
+    """Adds ``model_states`` (what ZeRO's stages shard) and ``total`` (with comm buffers)."""
+    values["model_states"] = sum(values[name] for name in MEMORY_CATEGORIES[:3])
+    values["total"] = values["model_states"] + values["comm_buffers"]
+    return values
