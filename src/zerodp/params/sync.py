@@ -117,16 +117,10 @@ class ReplicatedParams:
         pass  # stages 0-2 issue the same collectives in the same order on every rank
 
     def publish(self, masters: Masters) -> None:
-        self.gather.wait_all()
-        masters.publish()
-        if self.plan.gather_params:
-            self.gather.launch()
+        _publish(self.gather, masters, self.plan)
 
     def remove(self) -> None:
-        self.gather.wait_all()
-        self.gather.remove_hooks()
-        if self._reducer is not None:
-            self._reducer.remove_hooks()
+        _remove(self.gather, self._reducer)
 
 
 class ShardedParamSync:
@@ -179,17 +173,27 @@ class ShardedParamSync:
 
     def publish(self, masters: Masters) -> None:
         self.sharded.reset()  # gathered copies are stale now: release them
-        self.gather.wait_all()
-        masters.publish()
-        if self.plan.gather_params:
-            self.gather.launch()
+        _publish(self.gather, masters, self.plan)
 
     def remove(self) -> None:
-        self.gather.wait_all()
-        self.gather.remove_hooks()
-        if self._grads is not None:
-            self._grads.remove_hooks()
+        _remove(self.gather, self._grads)
         self.sharded.remove()
+
+
+def _publish(gather: DeferredGather, masters: Masters, plan: Plan) -> None:
+    """Masters to parameters, then the all-gather of the replicated segments' updated slices
+    (never while the previous one may still be sending them)."""
+    gather.wait_all()
+    masters.publish()
+    if plan.gather_params:
+        gather.launch()
+
+
+def _remove(gather: DeferredGather, grads: GradSync | None) -> None:
+    gather.wait_all()
+    gather.remove_hooks()
+    if grads is not None:
+        grads.remove_hooks()
 
 
 def make_param_sync(
