@@ -1,8 +1,9 @@
 """Bucketed gradient reduction that overlaps backward.
 
-Over the ~400-line budget (453) since it also notices gradients replaced or cleared by the user
-(``model.zero_grad()``, ``p.grad = None``) and counts the gradients a step saw (step without
-backward); the engine restructure (pluggable gradient sync) separates those from the buckets.
+Over the ~400-line budget (470) since it also notices gradients replaced or cleared by the user
+(``model.zero_grad()``, ``p.grad = None``), counts the gradients a step saw (step without
+backward) and reopens a round after a step without ``zero_grad``; the next step of the engine
+restructure (one bucket object, issue 14) moves the bucket geometry and these checks out.
 
 A post-accumulate-grad hook on every trainable parameter counts down its buckets; a bucket is
 launched (asynchronously) when all its parameters have their gradient **and** every bucket

@@ -1,6 +1,6 @@
 """The stage-3 schedule, run by module and autograd hooks.
 
-Over the ~400-line budget (445) since units that run on some ranks only ([Note: merged plans]
+Over the ~400-line budget (446) since units that run on some ranks only ([Note: merged plans]
 in order.py) added their extras and deferred reduce-scatters here; the engine restructure (one
 engine over pluggable parameter/gradient sync) is where the schedule splits into forward,
 backward and extras.
