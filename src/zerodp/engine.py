@@ -54,7 +54,7 @@ from zerodp.optim.pieces import (
 from zerodp.optim.runner import StepRunner, make_runner
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.order import Op
-from zerodp.params.sync import make_param_sync
+from zerodp.params.sync import broadcast_segments, make_param_sync
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
@@ -124,7 +124,7 @@ class ZeroEngine:
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.runner = self._runner()
         self.param_gather = self.param_sync.gather
-        self._hooks += self.param_sync.install(model)
+        self.param_sync.install(model)
         self.optimizer = optimizer
         self.loss = make_loss_policy(plan, config)
         self.scaler = self.loss.scaler  # fp16 only (the checkpoint and opt.loss_scale read it)
@@ -226,10 +226,8 @@ class ZeroEngine:
         new = build_segments(
             named, self.plan, self.comm.world_size, self._fp32_ids, first=len(self.segments)
         )
-        if broadcast and self.comm.world_size > 1:
-            with torch.no_grad():
-                for seg in new:
-                    self.comm.broadcast(seg.param_buffer)
+        if broadcast:
+            broadcast_segments(self.comm, new)
         self.segments += new  # in place: the masters' (and stage 3's manager's) list too
         self.masters.add(new)  # before the cast: a new fp32 parameter's master is exact
         for seg in new:

@@ -22,7 +22,9 @@ from zerodp.plan import Plan
 
 
 class LossPolicy(Protocol):
-    scaler: DynamicLossScaler | None  # fp16's (checkpoints save its state)
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """fp16's scaler (checkpoints save its state); None otherwise."""
 
     @property
     def scale(self) -> float | None:
@@ -52,15 +54,14 @@ class ScaledLoss:
     """fp16 (see the module docstring)."""
 
     def __init__(self, config: ZeroConfig) -> None:
-        self.scaler: DynamicLossScaler | None = DynamicLossScaler.from_config(config)
-        self._scaler = self.scaler
+        self.scaler = DynamicLossScaler.from_config(config)
 
     @property
     def scale(self) -> float | None:
-        return self._scaler.scale
+        return self.scaler.scale
 
     def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self._scaler.scale
+        return loss * self.scaler.scale
 
     def check_backward(self, backward: bool, through_opt: bool) -> None:
         if backward and not through_opt:
@@ -79,7 +80,7 @@ class ScaledLoss:
         pass  # the scaler skips and lowers the scale
 
     def after_step(self, skipped: bool) -> None:
-        self._scaler.update(finite=not skipped)
+        self.scaler.update(finite=not skipped)
 
     def reset(self) -> None:
         pass
@@ -88,7 +89,7 @@ class ScaledLoss:
 class CheckedLoss:
     """fp32 and bf16 (see the module docstring)."""
 
-    scaler: DynamicLossScaler | None = None
+    scaler = None
     scale = None
 
     def __init__(self, plan: Plan, config: ZeroConfig) -> None:

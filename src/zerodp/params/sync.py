@@ -54,9 +54,9 @@ class ParamSync(Protocol):
         """``new`` was appended to ``segments`` (parameters unfrozen or added after
         ``initialize``); the next ``grad_sync`` covers them."""
 
-    def install(self, model: nn.Module) -> list[Any]:
+    def install(self, model: nn.Module) -> None:
         """Forward hooks of the parameter gather (stages 1-2: waits before each module's
-        forward); handles the engine removes (others are removed by ``remove``)."""
+        forward), removed by ``remove``."""
 
     def guard(self, model: nn.Module) -> list[Any]:
         """Root pre-hooks that refuse what this sync cannot do (stage 3: ``torch.compile``),
@@ -83,11 +83,7 @@ class ReplicatedParams:
         self.plan = plan
         self.comm = comm
         self.segments = build_segments(trainable, plan, comm.world_size, fp32)
-        # Start from rank 0's trainable parameters, as DDP does.
-        if comm.world_size > 1:
-            with torch.no_grad():
-                for seg in self.segments:
-                    comm.broadcast(seg.param_buffer)
+        broadcast_segments(comm, self.segments)  # start from rank 0's values, as DDP does
         self.gather = DeferredGather(self.segments, comm, overlap=config.overlap_param_gather)
         self._reducer: GradReducer | None = None
 
@@ -105,10 +101,9 @@ class ReplicatedParams:
     def adopt(self, new: list[Segment]) -> None:
         self.gather.add(new)
 
-    def install(self, model: nn.Module) -> list[Any]:
+    def install(self, model: nn.Module) -> None:
         if self.plan.gather_params:
             self.gather.register_hooks(model)
-        return []
 
     def guard(self, model: nn.Module) -> list[Any]:
         return []
@@ -126,21 +121,10 @@ class ReplicatedParams:
 class ShardedParamSync:
     """Stage 3 (see the module docstring)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        trainable: Named,
-        optimized: set[int],
-        plan: Plan,
-        config: ZeroConfig,
-        comm: Communicator,
-        fp32: set[int],
-        options: Stage3Options,
-    ) -> None:
+    def __init__(self, sharded: ShardedParams, plan: Plan, comm: Communicator) -> None:
         self.plan = plan
-        args = (model, trainable, optimized, plan, config, comm, fp32, options)
-        self.sharded: ShardedParams = ShardedParams(*args)
-        self.segments = self.sharded.segments
+        self.sharded = sharded
+        self.segments = sharded.segments
         persistent = [s for _, s in self.sharded.persistent_segments()]
         # Persistent parameters may be read anywhere: their gather is waited for in the step.
         self.gather = DeferredGather(persistent, comm, overlap=False)
@@ -162,8 +146,8 @@ class ShardedParamSync:
         self._adopted += [s.index for s in new]
         self.gather.add(new)
 
-    def install(self, model: nn.Module) -> list[Any]:
-        return []  # persistent parameters are gathered inside the step, not waited for
+    def install(self, model: nn.Module) -> None:
+        pass  # persistent parameters are gathered inside the step, not waited for
 
     def guard(self, model: nn.Module) -> list[Any]:
         return [model.register_forward_pre_hook(refuse_compile, prepend=True)]
@@ -209,5 +193,16 @@ def make_param_sync(
     """The plan's parameter sync; builds (and broadcasts from rank 0) the segments."""
     if plan.shard_params:
         options = stage3 or Stage3Options()
-        return ShardedParamSync(model, trainable, optimized, plan, config, comm, fp32, options)
+        args = (model, trainable, optimized, plan, config, comm, fp32, options)
+        return ShardedParamSync(ShardedParams(*args), plan, comm)
     return ReplicatedParams(trainable, plan, config, comm, fp32)
+
+
+def broadcast_segments(comm: Communicator, segments: list[Segment]) -> None:
+    """Every rank's segments take rank 0's parameter values (stage 3 broadcasts its units while
+    it builds them)."""
+    if comm.world_size == 1:
+        return
+    with torch.no_grad():
+        for seg in segments:
+            comm.broadcast(seg.param_buffer)
