@@ -185,11 +185,7 @@ class ZeroEngine:
             self._staleness.cleared()
 
     def _build_pieces(self) -> list[OptimPiece]:
-        rank = self.comm.rank
-        per_seg = [
-            s.layout.pieces(rank) if self.plan.shard_optimizer else s.layout.full_pieces()
-            for s in self.segments
-        ]
+        per_seg = [s.layout.owned_pieces(self.masters.owner) for s in self.segments]
         master = [self.masters.storage(i) for i in range(len(self.segments))]
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, self._groups, master, grads)

@@ -22,7 +22,15 @@ def test_pieces_partition_every_parameter(world, bucket, align):
     lay = build_layout(_specs(), world, bucket, align)
     assert lay.padded_numel % (world * align) == 0
     assert all(b.numel % (world * align) == 0 for b in lay.buckets)
-    assert [b.start for b in lay.buckets[1:]] == [b.stop for b in lay.buckets[:-1]]
+    assert [b.flat.start for b in lay.buckets[1:]] == [b.flat.stop for b in lay.buckets[:-1]]
+    for b in lay.buckets:  # the geometry each bucket carries
+        assert b.slots == tuple(s.index for s in lay.slots if s.flat.intersect(b.flat))
+        assert [b.shard(r) for r in range(world)] == [
+            Range(b.flat.start + r * b.shard_numel, b.flat.start + (r + 1) * b.shard_numel)
+            for r in range(world)
+        ]
+        assert b.shard_offset * world == b.flat.start
+        assert b.region(None) == b.flat and b.region(world - 1) == b.shard(world - 1)
     covered: dict[int, list[Range]] = {}
     for rank in range(world):
         pieces = lay.pieces(rank)
@@ -30,11 +38,10 @@ def test_pieces_partition_every_parameter(world, bucket, align):
         for p in pieces:
             slot = lay.slots[p.slot]
             assert p.flat_range.shift(-slot.flat.start) == p.param_range
-            owned = lay.bucket_shard(p.bucket, rank)
+            bucket = lay.buckets[p.bucket]
+            owned = bucket.shard(rank)
             assert owned.start <= p.flat_range.start and p.flat_range.stop <= owned.stop
-            assert p.shard_offset == lay.bucket_shard_offset(p.bucket) + (
-                p.flat_range.start - owned.start
-            )
+            assert p.shard_offset == bucket.shard_offset + (p.flat_range.start - owned.start)
             covered.setdefault(p.slot, []).append(p.param_range)
     for slot in lay.slots:
         ranges = sorted(covered.get(slot.index, []))
@@ -56,7 +63,7 @@ def test_one_bucket_is_one_contiguous_range_per_rank():
     # With the bucket at least the segment, rank r owns the r-th contiguous 1/N of it.
     lay = build_layout(_specs(), 4, 10**9, 1)
     assert len(lay.buckets) == 1
-    assert [lay.bucket_shard(0, r) for r in range(4)] == [
+    assert [lay.buckets[0].shard(r) for r in range(4)] == [
         Range(r * lay.shard_numel, (r + 1) * lay.shard_numel) for r in range(4)
     ]
 

@@ -222,12 +222,11 @@ def _write_masters(engine: ZeroEngine, name: str, full: torch.Tensor) -> None:
         if name not in seg.names:
             continue
         slot = seg.names.index(name)
-        flat, sharded = masters.storage(i)
-        pieces = seg.layout.pieces(engine.comm.rank) if sharded else seg.layout.full_pieces()
-        for pc in pieces:
+        storage = masters.storage(i)
+        for pc in seg.layout.owned_pieces(masters.owner):
             if pc.slot == slot:
                 r = pc.param_range
-                seg.piece_view(flat, pc, sharded=sharded).copy_(full[r.start : r.stop])
+                storage.piece(pc).copy_(full[r.start : r.stop])
 
 
 def _key(src: Source) -> str:

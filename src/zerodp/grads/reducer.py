@@ -61,8 +61,9 @@ import torch
 from zerodp.comm import Communicator
 from zerodp.grads.inflight import InFlight
 from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range, zeros_like_shard
+from zerodp.partition.buffers import FlatBuffer, OwnedStorage, ShardBuffer, flat_view
 from zerodp.partition.layout import Range
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 from zerodp.plan import ReduceMode
 
 
@@ -134,18 +135,9 @@ class GradReducer:
         for i, seg in enumerate(self.segments):
             lay = seg.layout
             ids = []
-            for b, flat in enumerate(lay.buckets):
+            for b in lay.buckets:
                 ids.append(len(out))
-                out.append(
-                    _Bucket(
-                        i,
-                        b,
-                        flat,
-                        lay.bucket_shard(b, rank),
-                        lay.bucket_shard_offset(b),
-                        lay.bucket_slots[b],
-                    )
-                )
+                out.append(_Bucket(i, b.index, b.flat, b.shard(rank), b.shard_offset, b.slots))
             self._seg_bucket_ids.append(ids)
         return out
 
@@ -446,15 +438,17 @@ class GradReducer:
 
     # -- views for the optimizer ---------------------------------------------------------------
 
-    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]:
-        """The tensor holding segment ``seg``'s reduced gradients and whether it is a shard
-        buffer (indexed by shard offsets) rather than a full flat buffer."""
+    def grad_storage(self, seg: int) -> OwnedStorage:
+        """Segment ``seg``'s reduced gradients: stage 2's shard, or the full buffer whose
+        averaged slices this rank steps (stage 1) or all of which it steps (stage 0)."""
+        layout = self.segments[seg].layout
         shard = self.shard_grads[seg]
         if shard is not None:
-            return shard, True
+            return ShardBuffer(shard, layout, self.comm.rank)
         buf = self.grad_buffers[seg]
         assert buf is not None
-        return buf, False
+        owner = None if self.mode is ReduceMode.ALL_REDUCE else self.comm.rank
+        return FlatBuffer(buf, layout, owner)
 
     def buffer_bytes(self) -> int:
         return self._inflight.staging_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
+from zerodp.partition.buffers import OwnedStorage
 
 
 class GradSync(Protocol):
@@ -24,8 +24,8 @@ class GradSync(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]:
-        """Segment ``seg``'s reduced gradients and whether they are this rank's shard only."""
+    def grad_storage(self, seg: int) -> OwnedStorage:
+        """Segment ``seg``'s reduced gradients ([Note: flat and shard buffers])."""
 
     def buffer_bytes(self) -> int:
         """Communication buffers held (staging)."""

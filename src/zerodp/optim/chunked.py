@@ -35,7 +35,7 @@ from zerodp.comm import Communicator
 from zerodp.optim.clip import clip_coefficient, combine_norms
 from zerodp.optim.masters import ReducedGrads
 from zerodp.optim.pieces import OptimPiece
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,23 +50,23 @@ class ChunkedGrads:
     """See [Note: chunked fp32 gradients]."""
 
     def __init__(
-        self, segments: list[Segment], pieces: list[OptimPiece], *, sharded: bool, rank: int
+        self, segments: list[Segment], pieces: list[OptimPiece], *, owner: int | None
     ) -> None:
         self.segments = segments
         self.pieces = pieces
-        self.sharded = sharded  # owned gradient in shard coordinates (stages 1-3)
-        self.rank = rank
+        self.sharded = owner is not None  # each rank steps its slices (stages 1-3)
+        # A chunk is what the owner steps of one bucket ([Note: flat and shard buffers]).
         by_bucket: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for k, op in enumerate(pieces):
-            base = self._base(segments[op.seg], op.piece.bucket)
-            pos = op.piece.shard_offset if sharded else op.piece.flat_range.start
-            entry = (k, pos - base, op.piece.flat_range.numel)
+            region = segments[op.seg].layout.buckets[op.piece.bucket].region(owner)
+            entry = (k, op.piece.flat_range.start - region.start, op.piece.flat_range.numel)
             by_bucket.setdefault((op.seg, op.piece.bucket), []).append(entry)
         self.chunks: list[Chunk] = []
         for i, seg in enumerate(segments):
-            for b, bucket in enumerate(seg.layout.buckets):
-                numel = bucket.numel // seg.layout.world_size if sharded else bucket.numel
-                self.chunks.append(Chunk(i, b, numel, tuple(by_bucket.get((i, b), ()))))
+            for bucket in seg.layout.buckets:
+                numel = bucket.region(owner).numel
+                pcs = tuple(by_bucket.get((i, bucket.index), ()))
+                self.chunks.append(Chunk(i, bucket.index, numel, pcs))
         device = segments[0].device if segments else torch.device("cpu")
         size = max((c.numel for c in self.chunks), default=0)
         self.scratch = torch.empty(size, dtype=torch.float32, device=device)
@@ -74,19 +74,9 @@ class ChunkedGrads:
         self._one = torch.ones(1, dtype=torch.float32, device=device)
         self.coefs: list[torch.Tensor] = []  # clip coefficients applied this step, in order
 
-    def _base(self, seg: Segment, b: int) -> int:
-        lay = seg.layout
-        return lay.bucket_shard_offset(b) if self.sharded else lay.buckets[b].start
-
     def _source(self, reducer: ReducedGrads, c: Chunk) -> torch.Tensor:
         """The chunk's reduced gradient (compute dtype, or fp32 for fp32-kept segments)."""
-        seg = self.segments[c.seg]
-        storage, is_shard = reducer.grad_storage(c.seg)
-        if is_shard:
-            return storage.narrow(0, seg.layout.bucket_shard_offset(c.bucket), c.numel)
-        if self.sharded:
-            return flat_view(storage, seg.layout.bucket_shard(c.bucket, self.rank))
-        return flat_view(storage, seg.layout.buckets[c.bucket])
+        return reducer.grad_storage(c.seg).region(c.bucket)
 
     def _fill(self, reducer: ReducedGrads, c: Chunk, scale: float) -> torch.Tensor:
         buf = self.scratch.narrow(0, 0, c.numel)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from zerodp.optim.masters import ReducedGrads
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 
 
 class FiniteCheck:
@@ -43,12 +43,4 @@ class FiniteCheck:
 def owned_grads(reducer: ReducedGrads, segments: list[Segment], rank: int) -> list[torch.Tensor]:
     """This rank's slices of the reduced gradients: together, the ranks' slices cover every
     element once."""
-    out = []
-    for i, seg in enumerate(segments):
-        storage, is_shard = reducer.grad_storage(i)
-        if is_shard:
-            out.append(storage)
-            continue
-        lay = seg.layout
-        out += [flat_view(storage, lay.bucket_shard(b, rank)) for b in range(len(lay.buckets))]
-    return out
+    return [t for i in range(len(segments)) for t in reducer.grad_storage(i).owned(rank)]

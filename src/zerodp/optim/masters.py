@@ -26,14 +26,14 @@ from typing import Protocol
 
 import torch
 
-from zerodp.params.segment import ShardedSegment
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.buffers import FlatBuffer, OwnedStorage, ShardBuffer
+from zerodp.partition.segment import Segment
 
 
 class ReducedGrads(Protocol):
     """What the masters need of a reducer (``GradReducer``, or ``ShardedGrads`` in stage 3)."""
 
-    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]: ...
+    def grad_storage(self, seg: int) -> OwnedStorage: ...
 
 
 class Masters:
@@ -42,34 +42,27 @@ class Masters:
     def __init__(self, segments: list[Segment], *, separate: bool, sharded: bool, rank: int):
         self.segments = segments
         self.separate = separate  # fp32 copies (mixed precision) rather than the params
-        self.sharded = sharded and separate  # master buffers indexed by shard offsets
+        self.owner = rank if sharded else None  # whose slices the optimizer steps
         self.rank = rank
-        self.buffers: list[torch.Tensor] = [self._master(seg) for seg in segments]
+        self.buffers: list[OwnedStorage] = [self._master(seg) for seg in segments]
 
-    def _master(self, seg: Segment) -> torch.Tensor:
-        if isinstance(seg, ShardedSegment):  # stage 3
-            return seg.shard.to(torch.float32, copy=True) if self.separate else seg.shard
+    def _master(self, seg: Segment) -> OwnedStorage:
+        params = seg.param_storage(self.owner)
         if not self.separate:
-            return seg.param_buffer
-        if self.sharded:
-            return self._gather_owned(seg, seg.param_buffer).float()
-        return seg.param_buffer.detach().float().clone()
+            return params
+        if self.owner is None:
+            return FlatBuffer(params.data.detach().float().clone(), seg.layout, None)
+        data = torch.empty(seg.layout.shard_numel, dtype=torch.float32, device=seg.device)
+        master = ShardBuffer(data, seg.layout, self.rank)
+        copy_regions(master, params)
+        return master
 
     def add(self, segments: list[Segment]) -> None:
         """Masters for segments appended to the engine's list (unfrozen parameters)."""
         self.buffers += [self._master(seg) for seg in segments]
 
-    def _gather_owned(self, seg: Segment, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slices of ``flat`` (a full-size flat buffer), concatenated in bucket order:
-        the shard-buffer layout."""
-        lay = seg.layout
-        parts = [flat_view(flat, lay.bucket_shard(b, self.rank)) for b in range(len(lay.buckets))]
-        if not parts:
-            return flat.new_zeros(0)
-        return torch.cat(parts)
-
-    def storage(self, i: int) -> tuple[torch.Tensor, bool]:
-        return self.buffers[i], self.sharded or isinstance(self.segments[i], ShardedSegment)
+    def storage(self, i: int) -> OwnedStorage:
+        return self.buffers[i]
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -81,21 +74,18 @@ class Masters:
             return
         with torch.no_grad():
             for seg, master in zip(self.segments, self.buffers, strict=True):
-                if isinstance(seg, ShardedSegment):
-                    seg.shard.copy_(master)
-                elif self.sharded:
-                    self._scatter_owned(seg, master, seg.param_buffer)
-                else:
-                    seg.param_buffer.copy_(master)
-
-    def _scatter_owned(self, seg: Segment, shard: torch.Tensor, flat: torch.Tensor) -> None:
-        lay = seg.layout
-        for b in range(len(lay.buckets)):
-            owned = lay.bucket_shard(b, self.rank)
-            src = shard.narrow(0, lay.bucket_shard_offset(b), owned.numel)
-            flat_view(flat, owned).copy_(src)
+                copy_regions(seg.param_storage(self.owner), master)
 
     @property
     def nbytes(self) -> int:
         """Bytes of fp32 master copies (0 when the masters are the parameters themselves)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers) if self.separate else 0
+        return sum(b.data.numel() * b.data.element_size() for b in self.buffers) * self.separate
+
+
+def copy_regions(dst: OwnedStorage, src: OwnedStorage) -> None:
+    """What the owner steps of every bucket, from ``src`` into ``dst`` (casting)."""
+    if dst.dense and src.dense and dst.data.numel() == src.data.numel():
+        dst.data.copy_(src.data)  # the same coordinates: one copy
+        return
+    for b in dst.layout.buckets:
+        dst.region(b.index).copy_(src.region(b.index))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerodp.partition.buffers import OwnedStorage
 from zerodp.partition.layout import Piece
 from zerodp.partition.segment import Segment
 
@@ -105,14 +106,12 @@ def make_pieces(
     segments: list[Segment],
     pieces_per_segment: list[list[Piece]],
     groups: dict[int, int],
-    master: list[tuple[torch.Tensor, bool]],
-    grads: list[tuple[torch.Tensor, bool]],
+    master: list[OwnedStorage],
+    grads: list[OwnedStorage],
 ) -> list[OptimPiece]:
     """Views for every owned piece of every parameter that the optimizer holds."""
     out: list[OptimPiece] = []
     for i, (seg, pieces) in enumerate(zip(segments, pieces_per_segment, strict=True)):
-        mflat, msharded = master[i]
-        gflat, gsharded = grads[i]
         for pc in pieces:
             group = groups.get(id(seg.params[pc.slot]))
             if group is None:  # trainable but not given to the optimizer: reduced, never updated
@@ -124,8 +123,8 @@ def make_pieces(
                     seg.names[pc.slot],
                     pc,
                     group,
-                    seg.piece_view(mflat, pc, sharded=msharded),
-                    seg.piece_view(gflat, pc, sharded=gsharded),
+                    master[i].piece(pc),
+                    grads[i].piece(pc),
                 )
             )
     return out

@@ -130,6 +130,6 @@ def make_runner(
 ) -> StepRunner:
     """The runner for these pieces (rebuilt whenever the pieces are)."""
     if mixed:
-        return ChunkedGrads(segments, pieces, sharded=sharded, rank=rank)
+        return ChunkedGrads(segments, pieces, owner=rank if sharded else None)
     device = segments[0].device if segments else torch.device("cpu")
     return WholeStep(segments, pieces, sharded=sharded, rank=rank, device=device)

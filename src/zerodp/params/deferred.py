@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from zerodp.comm import Communicator, Handle
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 
 
 class DeferredGather:
@@ -69,11 +69,9 @@ class DeferredGather:
             self.wait_all()
 
     def _issue(self, s: int, b: int) -> Handle:
-        seg = self.segments[s]
-        lay = seg.layout
-        full = flat_view(seg.param_buffer, lay.buckets[b])
-        owned = flat_view(seg.param_buffer, lay.bucket_shard(b, self.comm.rank))
-        return self.comm.all_gather(full, owned, async_op=True)
+        flat = self.segments[s].flat
+        owned = flat.slice(b, self.comm.rank)
+        return self.comm.all_gather(flat.bucket(b), owned, async_op=True)
 
     def add(self, segments: list[Segment]) -> None:
         """Gather these segments too (appended to the engine's list after the hooks were

@@ -27,7 +27,7 @@ from torch import nn
 from zerodp.comm import Communicator
 from zerodp.params.segment import ShardedSegment
 from zerodp.params.unit import Unit
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
@@ -85,29 +85,23 @@ def write_back(
         for i, seg in segs:
             if rank is not None:
                 comm.broadcast(seg.param_buffer, src=rank)
-            _write_back_segment(i, seg, masters, comm.rank)
+            _write_back_segment(i, seg, masters)
 
 
-def _write_back_segment(i: int, seg: Segment, masters: Masters, my_rank: int) -> None:
-    master, master_is_shard = masters.storage(i)
+def _write_back_segment(i: int, seg: Segment, masters: Masters) -> None:
+    master = masters.storage(i)
     if isinstance(seg, ShardedSegment):
         owned = seg.owned_view()
         if masters.separate:
-            _copy_changed(master, owned, before=seg.shard)
+            _copy_changed(master.data, owned, before=seg.shard)
         seg.shard.copy_(owned)
         return
     if not masters.separate:  # fp32 stages 0-2 / persistent: the masters view the parameters
         return
-    if master_is_shard:
-        lay = seg.layout
-        parts = [
-            flat_view(seg.param_buffer, lay.bucket_shard(b, my_rank))
-            for b in range(len(lay.buckets))
-        ]
-        owned = torch.cat(parts) if parts else master.new_zeros(0)
-    else:
-        owned = seg.param_buffer
-    _copy_changed(master, owned, before=master.to(owned.dtype))
+    params = seg.param_storage(masters.owner)
+    for b in seg.layout.buckets:
+        now = params.region(b.index)
+        _copy_changed(master.region(b.index), now, before=master.region(b.index).to(now.dtype))
 
 
 def _copy_changed(master: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from zerodp.comm import Communicator
 from zerodp.grads.inflight import InFlight
 from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range
 from zerodp.params.order import Op, OrderCheck
+from zerodp.partition.buffers import OwnedStorage, ShardBuffer
 from zerodp.partition.layout import FlatLayout, Range
 from zerodp.partition.segment import Segment
 
@@ -115,7 +116,7 @@ class ShardedGrads:
         lay = self.segments[seg_id].layout
         staging = self._inflight.acquire(numel * self.world, self.world)
         self._fill(seg_id, b, offset, numel, staging, left)
-        start = lay.bucket_shard_offset(b) + offset
+        start = lay.buckets[b].shard_offset + offset
         handle, average = reduce_scatter_into(
             self.comm,
             staging,
@@ -141,7 +142,7 @@ class ShardedGrads:
         lay = seg.layout
         stops = self._stops[seg_id]
         for r in range(self.world):
-            run = lay.bucket_shard(b, r)
+            run = lay.buckets[b].shard(r)
             run = Range(run.start + offset, run.start + offset + numel)
             base = r * numel - run.start  # staging index of flat position 0
             cursor = run.start
@@ -202,8 +203,8 @@ class ShardedGrads:
         self.rounds = 0
         self._averaged = False
 
-    def grad_storage(self, seg: int) -> tuple[torch.Tensor, bool]:
-        return self.shard_grads[seg], True
+    def grad_storage(self, seg: int) -> OwnedStorage:
+        return ShardBuffer(self.shard_grads[seg], self.segments[seg].layout, self.comm.rank)
 
     def buffer_bytes(self) -> int:
         return self._inflight.staging_bytes
@@ -222,8 +223,8 @@ def chunk_plan(layout: FlatLayout, chunk_numel: int | None) -> list[tuple[int, i
     [Note: stage-3 reduce chunks]."""
     n, align = layout.world_size, layout.align
     out: list[tuple[int, int, int]] = []
-    for b, bucket in enumerate(layout.buckets):
-        size = bucket.numel // n
+    for bucket in layout.buckets:
+        size, b = bucket.shard_numel, bucket.index
         step = size if chunk_numel is None else max(align, chunk_numel // (n * align) * align)
         out += [(b, off, min(step, size - off)) for off in range(0, size, step)]
     return out

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodp.partition.buffers import OwnedStorage, ShardBuffer, flat_view
 from zerodp.partition.layout import Range
-from zerodp.partition.segment import Segment, flat_view
+from zerodp.partition.segment import Segment
 
 
 @dataclass(eq=False)
@@ -92,7 +93,12 @@ class ShardedSegment(Segment):
         """This rank's slice of the flat space (one bucket: a contiguous 1/N)."""
         if not self.layout.buckets:
             return Range(0, 0)
-        return self.layout.bucket_shard(0, self.rank)
+        return self.layout.buckets[0].shard(self.rank)
+
+    def param_storage(self, owner: int | None) -> OwnedStorage:
+        """At rest a rank holds only its shard ([Note: sharded storage])."""
+        assert owner == self.rank, "stage 3 shards the optimizer"
+        return ShardBuffer(self.shard, self.layout, self.rank)
 
     @property
     def full_nbytes(self) -> int:

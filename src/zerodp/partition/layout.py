@@ -82,18 +82,55 @@ class Piece:
     shard_offset: int  # where they start in the owning rank's shard buffer
 
 
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One bucket of a segment: the unit of communication. Its geometry is computed once, by
+    ``build_layout``; every user (both gradient syncs, the parameter gather, the optimizer's
+    chunks, the masters, checkpoints) reads it from here."""
+
+    index: int  # position in FlatLayout.buckets
+    flat: Range  # the bucket in the flat space; a multiple of world_size * align elements
+    world_size: int
+    slots: tuple[int, ...]  # the parameters (FlatLayout.slots indices) overlapping it
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank owns of this bucket."""
+        return self.flat.numel // self.world_size
+
+    @property
+    def shard_offset(self) -> int:
+        """Where a rank's slice of this bucket starts in its shard buffer (the concatenation of
+        that rank's slices of all buckets, in bucket order)."""
+        return self.flat.start // self.world_size
+
+    def shard(self, rank: int) -> Range:
+        """The flat-space slice of this bucket owned by ``rank``."""
+        start = self.flat.start + rank * self.shard_numel
+        return Range(start, start + self.shard_numel)
+
+    def region(self, owner: int | None) -> Range:
+        """What ``owner`` steps of this bucket: its slice, or (``None``: an unsharded
+        optimizer, stage 0) all of it."""
+        return self.flat if owner is None else self.shard(owner)
+
+
 @dataclass(frozen=True)
 class FlatLayout:
     """The flat layout of one segment for one world size. Immutable; shared by all ranks."""
 
     slots: tuple[Slot, ...]
-    buckets: tuple[Range, ...]  # contiguous, cover [0, padded_numel), each a multiple of N*align
+    buckets: tuple[Bucket, ...]  # contiguous, cover [0, padded_numel)
     world_size: int
     align: int
 
     @property
     def padded_numel(self) -> int:
-        return self.buckets[-1].stop if self.buckets else 0
+        return self.buckets[-1].flat.stop if self.buckets else 0
 
     @property
     def param_numel(self) -> int:
@@ -104,52 +141,37 @@ class FlatLayout:
         """Elements one rank owns (the same for every rank)."""
         return self.padded_numel // self.world_size
 
-    def bucket_shard(self, bucket: int, rank: int) -> Range:
-        """The flat-space slice of ``bucket`` owned by ``rank``."""
-        b = self.buckets[bucket]
-        size = b.numel // self.world_size
-        return Range(b.start + rank * size, b.start + (rank + 1) * size)
-
-    def bucket_shard_offset(self, bucket: int) -> int:
-        """Where ``bucket``'s owned slice starts in a rank's shard buffer (the concatenation of
-        that rank's slices of all buckets, in bucket order)."""
-        return self.buckets[bucket].start // self.world_size
-
-    @cached_property
-    def bucket_slots(self) -> tuple[tuple[int, ...], ...]:
-        """For each bucket, the slots (parameters) that overlap it."""
-        out: list[list[int]] = [[] for _ in self.buckets]
-        for slot in self.slots:
-            if slot.flat.numel:
-                for b in self._buckets_overlapping(slot.flat):
-                    out[b].append(slot.index)
-        return tuple(tuple(x) for x in out)
-
     @cached_property
     def slot_buckets(self) -> tuple[tuple[int, ...], ...]:
         """For each slot, the buckets it overlaps (empty for a zero-size parameter)."""
-        return tuple(
-            tuple(self._buckets_overlapping(s.flat)) if s.flat.numel else () for s in self.slots
-        )
+        out: list[list[int]] = [[] for _ in self.slots]
+        for bucket in self.buckets:
+            for s in bucket.slots:
+                out[s].append(bucket.index)
+        return tuple(tuple(x) for x in out)
 
     def pieces(self, rank: int) -> list[Piece]:
         """Every piece owned by ``rank``, in flat order."""
         out: list[Piece] = []
-        for b in range(len(self.buckets)):
-            owned = self.bucket_shard(b, rank)
-            base = self.bucket_shard_offset(b) - owned.start
-            for s in self.bucket_slots[b]:
-                out.extend(self._piece(s, b, owned, base))
+        for bucket in self.buckets:
+            owned = bucket.shard(rank)
+            base = bucket.shard_offset - owned.start
+            for s in bucket.slots:
+                out.extend(self._piece(s, bucket.index, owned, base))
         return out
 
     def full_pieces(self) -> list[Piece]:
         """Pieces covering every parameter entirely (one per overlapped bucket): what an
         unsharded optimizer (stage 0) steps on. ``shard_offset`` is the flat offset."""
         out: list[Piece] = []
-        for b, bucket in enumerate(self.buckets):
-            for s in self.bucket_slots[b]:
-                out.extend(self._piece(s, b, bucket, 0))
+        for bucket in self.buckets:
+            for s in bucket.slots:
+                out.extend(self._piece(s, bucket.index, bucket.flat, 0))
         return out
+
+    def owned_pieces(self, owner: int | None) -> list[Piece]:
+        """What ``owner`` steps: its pieces, or (``None``, stage 0) every parameter whole."""
+        return self.full_pieces() if owner is None else self.pieces(owner)
 
     def _piece(self, s: int, bucket: int, owned: Range, base: int) -> list[Piece]:
         slot = self.slots[s]
@@ -158,22 +180,6 @@ class FlatLayout:
             return []
         param_range = inter.shift(-slot.flat.start)
         return [Piece(s, bucket, param_range, inter, inter.start + base)]
-
-    def _buckets_overlapping(self, r: Range) -> range:
-        first = _bucket_index(self.buckets, r.start)
-        last = _bucket_index(self.buckets, r.stop - 1)
-        return range(first, last + 1)
-
-
-def _bucket_index(buckets: Sequence[Range], pos: int) -> int:
-    lo, hi = 0, len(buckets) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if buckets[mid].stop <= pos:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def build_layout(
@@ -192,7 +198,11 @@ def build_layout(
     quantum = world_size * align
     padded = _round_up(offset, quantum)
     step = max(quantum, (bucket_numel // quantum) * quantum)
-    buckets = tuple(Range(s, min(s + step, padded)) for s in range(0, padded, step))
+    ranges = [Range(s, min(s + step, padded)) for s in range(0, padded, step)]
+    buckets = tuple(
+        Bucket(b, r, world_size, tuple(s.index for s in slots if s.flat.intersect(r)))
+        for b, r in enumerate(ranges)
+    )
     return FlatLayout(tuple(slots), buckets, world_size, align)
 
 

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerodp.partition.layout import FlatLayout, Piece, Range
+from zerodp.partition.buffers import FlatBuffer, OwnedStorage, flat_view
+from zerodp.partition.layout import FlatLayout
 
-
-def flat_view(flat: torch.Tensor, r: Range) -> torch.Tensor:
-    return flat.narrow(0, r.start, r.numel)
+__all__ = ["Segment", "flat_view"]
 
 
 @dataclass
@@ -60,11 +59,15 @@ class Segment:
         s = self.layout.slots[slot]
         return flat_view(self.param_buffer, s.flat).view(s.spec.shape)
 
-    def piece_view(self, flat: torch.Tensor, piece: Piece, *, sharded: bool) -> torch.Tensor:
-        """``piece`` in ``flat``: a full-size flat buffer, or (``sharded``) a shard buffer."""
-        if sharded:
-            return flat.narrow(0, piece.shard_offset, piece.flat_range.numel)
-        return flat_view(flat, piece.flat_range)
+    @property
+    def flat(self) -> FlatBuffer:
+        """The parameter buffer, typed (every rank's slices)."""
+        return FlatBuffer(self.param_buffer, self.layout, None)
+
+    def param_storage(self, owner: int | None) -> OwnedStorage:
+        """Where this rank holds the parameter values ``owner`` steps ([Note: flat and shard
+        buffers]): the flat buffer here; stage 3's shard (``ShardedSegment``)."""
+        return FlatBuffer(self.param_buffer, self.layout, owner)
 
     @property
     def numel(self) -> int:
