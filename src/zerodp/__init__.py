@@ -18,6 +18,7 @@ from zerodp.module import ZeroModule
 from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.params import full_parameters, sharded_init
+from zerodp.version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",
@@ -36,4 +37,3 @@ __all__ = [
     "save_checkpoint",
     "sharded_init",
 ]
-__version__ = "0.1.0"

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.sync import GradSync
+from zerodp.memory.report import Holdings
 from zerodp.optim import misuse
 from zerodp.optim.agreement import (
     KeptGrads,
@@ -59,6 +60,7 @@ from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
 from zerodp.validation import agree, check_devices, fingerprint
+from zerodp.views import CheckpointState, ParamAccess, StepCounters
 
 log = logging.getLogger("zerodp")
 
@@ -78,9 +80,7 @@ class ZeroEngine:
     masters: Masters
     runner: StepRunner  # how the optimizer step runs (fp32 whole, mixed chunked)
     loss: LossPolicy  # loss scaling (fp16) or checking (fp32, bf16)
-    steps: int  # optimizer steps attempted (skipped ones included)
-    skipped_steps: int
-    steps_without_backward: int  # step() calls with no gradient produced since the last step
+    counters: StepCounters  # steps, skipped steps, steps without backward
     last_step: StepInfo | None
 
     def __init__(
@@ -135,9 +135,7 @@ class ZeroEngine:
         self._hooks += self.param_sync.guard(model)
         # First of all: stage 3 gathers (a collective) in its own root hook.
         self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
-        self.steps = 0
-        self.skipped_steps = 0
-        self.steps_without_backward = 0
+        self.counters = StepCounters()
         self.last_step = None
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
         self._skip = False  # the current step's gradients are not finite somewhere
@@ -359,7 +357,7 @@ class ZeroEngine:
     def _check_nonfinite(self) -> None:
         """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
         clip until ``zero_grad``."""
-        self.loss.refuse(self._skip, self._flags, self.steps + 1)
+        self.loss.refuse(self._skip, self._flags, self.counters.steps + 1)
 
     def _inv_scale(self) -> float:
         scale = self.loss.scale
@@ -374,35 +372,37 @@ class ZeroEngine:
         self.finish_gradients()
         self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
         without_backward = not self._flags.backward
+        counters = self.counters
         if without_backward:
-            self.steps_without_backward += 1
+            counters.steps_without_backward += 1
             policy = self.config.step_without_backward
             if policy == "raise":
                 self._end_step()  # nothing changed; a backward then step() goes on normally
-            misuse.without_backward(policy, self.steps + 1, self.steps_without_backward)
+            misuse.without_backward(policy, counters.steps + 1, counters.steps_without_backward)
         else:
-            self._staleness.check(self.steps + 1)
+            self._staleness.check(counters.steps + 1)
         scale = self.loss.scale
-        self.steps += 1
+        counters.steps += 1
         if self._skip:
-            self.skipped_steps += 1
+            counters.skipped_steps += 1
             reason = f"non-finite {misuse.nonfinite_what(self._flags, scale is not None)}"
             log.warning(
                 "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
-                self.steps,
+                counters.steps,
                 reason,
                 f", loss scale {scale:g}" if scale else "",
-                self.skipped_steps,
+                counters.skipped_steps,
             )
         else:
             reason = None
             self.runner.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
             self.publish_params()
         self.loss.after_step(self._skip)
-        self.comm.progress.step = self.steps
+        self.comm.progress.step = counters.steps
         self.comm.progress.enter(BETWEEN_STEPS)
-        info = StepInfo(self.steps, self._skip, reason, scale, self._grad_norm, without_backward)
-        self.last_step = info
+        self.last_step = StepInfo(
+            counters.steps, self._skip, reason, scale, self._grad_norm, without_backward
+        )
         self._seen_at_step = self.reducer.grads_seen
         self._staleness.stepped(self._flags.backward)
         self._end_step()
@@ -455,6 +455,60 @@ class ZeroEngine:
     def comm_stats(self) -> CommStats | None:
         """Collective traffic of the last completed step."""
         return self.comm.ledger.last_step
+
+    @property
+    def steps(self) -> int:
+        return self.counters.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def steps_without_backward(self) -> int:
+        return self.counters.steps_without_backward
+
+    def checkpoint_state(self) -> CheckpointState:
+        return CheckpointState(
+            comm=self.comm,
+            stage=self.plan.stage,
+            precision=self.config.precision,
+            config=self.config.to_dict(),
+            segments=tuple(self.segments),
+            frozen=tuple(self.frozen),
+            pieces=tuple(self.pieces),
+            optimizer=self.optimizer,
+            masters=self.masters,
+            scaler=self.loss.scaler,
+            counters=self.counters,
+            meet=self.param_sync.check,
+            publish=self.publish_params,
+        )
+
+    def param_access(self) -> ParamAccess:
+        return ParamAccess(
+            self.comm, tuple(self.segments), tuple(self.frozen), self.masters, self.params
+        )
+
+    def holdings(self) -> Holdings:
+        """What this rank holds, for the memory report."""
+        return Holdings(
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+            stage=self.plan.stage,
+            precision=self.config.precision,
+            num_params=self.num_trainable,
+            padded_numel=sum(s.layout.padded_numel for s in self.segments),
+            param_dtype=self.segments[0].dtype if self.segments else torch.float32,
+            parameters=self.param_sync.param_bytes(),
+            gradients=self.reducer.gradient_bytes(),
+            masters=self.masters.nbytes,
+            comm_buffers=self.reducer.buffer_bytes(),
+            frozen=sum(p.numel() * p.element_size() for _, p in self.frozen),
+            step_transient=self.runner.nbytes,
+            optimizer=self.optimizer,
+            stage3=self.param_sync.unit_bytes(),
+        )
 
     @property
     def num_trainable(self) -> int:

@@ -4,6 +4,11 @@
 (a) No module outside ``zerodp.apps`` imports ``zerodp.apps``.
 (b) Inside ``zerodp.apps``, every import of the library is of a name in the ``__all__`` of a
     module listed in ``zerodp.apps.PUBLIC_API`` (see that package's docstring for the rule).
+(c) No import cycle among the library's modules, counting every import (also those under
+    ``TYPE_CHECKING`` and inside functions: a cycle deferred is still two modules that each need
+    the other). ``from pkg import sub`` of a submodule is an import of ``sub`` (loading a
+    submodule loads its package first anyway).
+(d) The plan is pure data: ``zerodp.plan`` imports only ``zerodp.config`` of the library.
 """
 
 from __future__ import annotations
@@ -211,7 +216,77 @@ def test_every_public_module_exports_an_explicit_list() -> None:
     assert all(len(names) > len(ALWAYS_PUBLIC) for names in api.values())
 
 
+def import_graph(paths: list[Path], src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the library modules it imports (rule (c))."""
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        name = module_name(path, src)
+        edges = graph.setdefault(name, set())
+        for imp in _all_imports(path, src):
+            subs = [f"{imp.module}.{n}" for n in imp.names if is_module(f"{imp.module}.{n}", src)]
+            loaded = subs if imp.names and len(subs) == len(imp.names) else targets(imp, src)
+            edges |= {t for t in loaded if _in_zerodp(t) and is_module(t, src) and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_library_has_no_import_cycles() -> None:
+    library = [p for p in _modules() if not _in_apps(module_name(p))]
+    graph = import_graph(library)
+    assert "zerodp.plan" in graph["zerodp.engine"]  # the walk found the edges
+    found = cycles(graph)
+    assert not found, "import cycles (each line: modules that import each other):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_plan_imports_nothing_that_executes() -> None:
+    graph = import_graph([module_path("zerodp.plan")])
+    assert graph["zerodp.plan"] == {"zerodp.config"}
+
+
 # -- the checker catches what it should (made-up sources) ---------------------------------------
+
+
+def test_a_cycle_through_a_type_checking_import_is_caught(tmp_path: Path) -> None:
+    pkg = tmp_path / "zerodp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from zerodp import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import zerodp.a\n"
+    )
+    (pkg / "c.py").write_text("from zerodp import a, b\n")  # imports both, in no cycle
+    graph = import_graph(sorted(pkg.glob("*.py")), tmp_path)
+    assert cycles(graph) == [["zerodp.a", "zerodp.b"]]
 
 
 def _check(source: str, name: str, is_package: bool = False) -> list[str]:

@@ -1,23 +1,29 @@
-"""Helpers shared by save and load: finding the engine, collective verdicts, state_dict aliases."""
+"""Helpers shared by save and load: the state to save or restore, collective verdicts,
+state_dict aliases."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from torch import nn
 
 from zerodp.checkpoint.manifest import CheckpointError
-
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
+from zerodp.views import CheckpointState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def engine_of(model: nn.Module, opt: Any) -> ZeroEngine:
+class _Engine(Protocol):
+    def wait_params(self) -> None: ...
+
+    def checkpoint_state(self) -> CheckpointState: ...
+
+
+def state_of(model: nn.Module, opt: Any) -> CheckpointState:
+    """The training state of a model returned by ``zerodp.initialize`` with its optimizer."""
     engine = model.__dict__.get("_zero_engine")
     if engine is None:
         raise TypeError(
@@ -29,10 +35,10 @@ def engine_of(model: nn.Module, opt: Any) -> ZeroEngine:
         raise ValueError(
             "the optimizer is not the ZeroOptimizer that zerodp.initialize returned with this model"
         )
-    result: ZeroEngine = engine
+    managed: _Engine = engine
     # Checkpoints read and write the owned slices a deferred gather may still be sending.
-    result.wait_params()
-    return result
+    managed.wait_params()
+    return managed.checkpoint_state()
 
 
 def attempt(fn: Callable[[], T]) -> tuple[T | None, str]:

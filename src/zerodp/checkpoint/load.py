@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +26,9 @@ from zerodp.checkpoint import rng
 from zerodp.checkpoint.checks import check_manifest, compare_structure
 from zerodp.checkpoint.common import (
     attempt,
-    engine_of,
     raise_if_any,
     state_dict_entries,
+    state_of,
 )
 from zerodp.checkpoint.integrity import check_file, read_verified_manifest
 from zerodp.checkpoint.manifest import (
@@ -45,13 +45,11 @@ from zerodp.checkpoint.manifest import (
     state_key,
 )
 from zerodp.checkpoint.tensorfile import ShardReader, dtype_from_name
+from zerodp.optim.pieces import OptimPiece
 from zerodp.params.access import ShardedParameter
 from zerodp.params.order import Op
 from zerodp.partition.layout import Range
-
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
-    from zerodp.optim.pieces import OptimPiece
+from zerodp.views import CheckpointState
 
 
 @dataclass
@@ -77,20 +75,19 @@ def load_checkpoint(
     ``allow_reshard=False``. Returns the ``extra`` this rank passed to ``save_checkpoint`` (rank
     0's when the world size changed). Raises ``CheckpointError`` on every rank, with nothing
     changed, if the checkpoint is incomplete, corrupted or does not fit the model."""
-    engine = engine_of(model, opt)
-    comm = engine.comm
+    state = state_of(model, opt)
+    comm = state.comm
     header = f"cannot load checkpoint {directory}; nothing was changed:"
     with comm.untracked(), comm.phase("checkpoint load"):
-        if engine.params is not None:  # [stage 3] meet a rank still in a step at its check
-            engine.params.check(Op.CHECKPOINT)
-        mine = sorted({op.name for op in engine.pieces})
+        state.meet(Op.CHECKPOINT)  # [stage 3] meet a rank still in a step at its check
+        mine = sorted({op.name for op in state.pieces})
         optimized = set().union(*comm.all_gather_object(mine))
-        plan, error = attempt(lambda: _validate(directory, model, engine, allow_reshard, optimized))
+        plan, error = attempt(lambda: _validate(directory, model, state, allow_reshard, optimized))
         raise_if_any(comm.all_gather_object(error), header)
         assert plan is not None
         with ShardReader(plan.path) as reader:
-            _apply(plan, reader, model, engine)
-        engine.publish_params()
+            _apply(plan, reader, model, state)
+        state.publish()
     m = plan.manifest
     return m.ranks[comm.rank if plan.same_world else 0].extra
 
@@ -101,13 +98,13 @@ def load_checkpoint(
 def _validate(
     directory: str | os.PathLike[str],
     model: nn.Module,
-    engine: ZeroEngine,
+    state: CheckpointState,
     allow_reshard: bool,
     optimized: set[str],
 ) -> _Plan:
     path = fs.resolve(directory)
     m = read_verified_manifest(path)  # every rank: nothing of an edited manifest is used
-    world, stage = engine.comm.world_size, engine.plan.stage
+    world, stage = state.comm.world_size, state.stage
     problems = []
     if not allow_reshard and (m.world_size, m.stage) != (world, stage):
         problems.append(
@@ -117,18 +114,18 @@ def _validate(
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape)) for n, b in model.named_buffers()]
     problems += compare_structure(m, params, buffers)
-    problems += _optimizer_problems(m, engine)
+    problems += _optimizer_problems(m, state)
     if problems:  # the rest assumes the structure matches
         _raise_problems(problems)
     problems += check_manifest(m)
     sources = sources_by_name(m)
-    problems += _group_problems(engine, sources)
+    problems += _group_problems(state, sources)
     whole = [n for n, _ in model.named_parameters() if n not in optimized]
     same_world = m.world_size == world
     files = {COMMON_FILE}
     if same_world:  # for the RNG state
-        files.add(rank_file(engine.comm.rank))
-    for op in engine.pieces:
+        files.add(rank_file(state.comm.rank))
+    for op in state.pieces:
         files |= {src.file for src, _ in plan_reads(sources[op.name], op.piece.param_range)}
     for name in whole:
         files |= {src.file for src in sources[name]}
@@ -147,18 +144,18 @@ def _raise_problems(problems: list[str]) -> None:
         raise CheckpointError("\n".join(problems))
 
 
-def _optimizer_problems(m: Manifest, engine: ZeroEngine) -> list[str]:
-    saved, current = m.optimizer["class"], type(engine.optimizer).__name__
+def _optimizer_problems(m: Manifest, state: CheckpointState) -> list[str]:
+    saved, current = m.optimizer["class"], type(state.optimizer).__name__
     if saved != current:
         return [f"the checkpoint's optimizer is {saved}, this run's is {current}"]
-    n_saved, n_now = len(m.optimizer["param_groups"]), len(engine.optimizer.param_groups)
+    n_saved, n_now = len(m.optimizer["param_groups"]), len(state.optimizer.param_groups)
     if n_saved != n_now:
         return [f"the checkpoint's optimizer has {n_saved} param groups, this run's has {n_now}"]
     return []
 
 
-def _group_problems(engine: ZeroEngine, sources: dict[str, list[Source]]) -> list[str]:
-    for op in engine.pieces:
+def _group_problems(state: CheckpointState, sources: dict[str, list[Source]]) -> list[str]:
+    for op in state.pieces:
         saved = next((s.piece.group for s in sources[op.name] if s.piece is not None), None)
         if saved is not None and saved != op.group:
             return [
@@ -171,54 +168,49 @@ def _group_problems(engine: ZeroEngine, sources: dict[str, list[Source]]) -> lis
 # -- applying (after every rank agreed) ---------------------------------------------------------
 
 
-def _apply(plan: _Plan, reader: ShardReader, model: nn.Module, engine: ZeroEngine) -> None:
-    m, state = plan.manifest, engine.optimizer.state
+def _apply(plan: _Plan, reader: ShardReader, model: nn.Module, state: CheckpointState) -> None:
+    m, opt_state = plan.manifest, state.optimizer.state
     with torch.no_grad():
-        for op in engine.pieces:
-            state.pop(op.tensor, None)
-        for op in engine.pieces:
+        for op in state.pieces:
+            opt_state.pop(op.tensor, None)
+        for op in state.pieces:
             reads = plan_reads(plan.sources[op.name], op.piece.param_range)
             _fill(op.tensor, op.piece.param_range.start, reads, reader, lambda s: s.key)
-            group = engine.optimizer.param_groups[op.group]
+            group = state.optimizer.param_groups[op.group]
             new = _piece_state(op, reads, reader, group)
             if new:
-                state[op.tensor] = new
+                opt_state[op.tensor] = new
         params = dict(model.named_parameters())
         for name in plan.whole:
             p = params[name]
             full = torch.empty(p.numel(), dtype=_saved_dtype(m, name), device=p.device)
             _fill(full, 0, plan_reads(plan.sources[name], Range(0, p.numel())), reader, _key)
             p.copy_(full.view(p.shape))
-            _write_masters(engine, name, full)
+            _write_masters(state, name, full)
         for name, b in model.named_buffers():
             b.copy_(reader.tensor(COMMON_FILE, buffer_key(name)).view(b.shape))
-    for group, saved in zip(
-        engine.optimizer.param_groups, m.optimizer["param_groups"], strict=True
-    ):
+    for group, saved in zip(state.optimizer.param_groups, m.optimizer["param_groups"], strict=True):
         group.update({k: v for k, v in decode(saved).items() if k != "params"})
-    scaler = getattr(engine, "scaler", None)
+    scaler = state.scaler
     if scaler is not None and m.scaler is not None:
         scaler.load_state_dict(decode(m.scaler))
-    engine.steps = m.step
-    engine.comm.progress.step = m.step
-    for counter, value in m.counters.items():
-        if hasattr(engine, counter):
-            setattr(engine, counter, value)
+    state.counters.restore(m.step, m.counters)
+    state.comm.progress.step = m.step
     if plan.same_world:
-        rec = m.ranks[engine.comm.rank]
+        rec = m.ranks[state.comm.rank]
         tensors = {k: reader.tensor(rec.file, k) for k in rec.rng["tensors"]}
         rng.restore(tensors, rec.rng)
 
 
-def _write_masters(engine: ZeroEngine, name: str, full: torch.Tensor) -> None:
+def _write_masters(state: CheckpointState, name: str, full: torch.Tensor) -> None:
     """Mixed precision keeps fp32 masters for every trainable parameter, optimized or not, and
     ``publish_params`` casts them into the model: a trainable parameter that no optimizer group
     holds has no piece, so its owned master slices are written here. (In fp32 training the
     masters are the parameters, already written.)"""
-    masters = getattr(engine, "masters", None)
-    if masters is None or not getattr(masters, "separate", False):
+    masters = state.masters
+    if not masters.separate:
         return
-    for i, seg in enumerate(engine.segments):
+    for i, seg in enumerate(state.segments):
         if name not in seg.names:
             continue
         slot = seg.names.index(name)
@@ -302,24 +294,24 @@ def load_model_state_dict(
     pieces included), then ``publish_params``. The optimizer state is left as it is. A tied
     weight may appear under any of its names. Errors are raised on every rank, before any
     change."""
-    engine = engine_of(model, opt)
+    state = state_of(model, opt)
     found, error = attempt(lambda: _match_state_dict(model, state_dict, strict))
-    with engine.comm.untracked():
-        raise_if_any(engine.comm.all_gather_object(error), "load_model_state_dict failed:")
+    with state.comm.untracked():
+        raise_if_any(state.comm.all_gather_object(error), "load_model_state_dict failed:")
         assert found is not None
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if not isinstance(p, ShardedParameter):  # stage 3: shards are written below
                     p.copy_(found[name].view(p.shape))
-            for op in engine.pieces:  # the masters (the same storage in fp32 training)
+            for op in state.pieces:  # the masters (the same storage in fp32 training)
                 r = op.piece.param_range
                 op.tensor.copy_(found[op.name].reshape(-1)[r.start : r.stop])
-            for name in {n for seg in engine.segments for n in seg.names}:
-                _write_masters(engine, name, found[name].reshape(-1))
+            for name in {n for seg in state.segments for n in seg.names}:
+                _write_masters(state, name, found[name].reshape(-1))
             for name, b in model.named_buffers():
                 if name in found:
                     b.copy_(found[name].view(b.shape))
-        engine.publish_params()
+        state.publish()
 
 
 def _match_state_dict(

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +26,9 @@ from zerodp.checkpoint import directory as fs
 from zerodp.checkpoint import faults, rng
 from zerodp.checkpoint.common import (
     attempt,
-    engine_of,
     raise_if_any,
     state_dict_entries,
+    state_of,
 )
 from zerodp.checkpoint.integrity import CHECKSUMS, write_checksums
 from zerodp.checkpoint.manifest import (
@@ -51,17 +51,11 @@ from zerodp.checkpoint.manifest import (
     state_key,
 )
 from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
+from zerodp.optim.pieces import OptimPiece
 from zerodp.params.order import Op
 from zerodp.partition.layout import Range
-
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
-    from zerodp.optim.pieces import OptimPiece
-
-COUNTERS = (
-    "skipped_steps",
-    "steps_without_backward",
-)  # engine counters besides ``steps`` that a resume continues
+from zerodp.version import __version__
+from zerodp.views import CheckpointState
 
 
 @dataclass
@@ -83,35 +77,35 @@ def save_checkpoint(
     keep_last: int | None = None,
 ) -> Path:
     """Save a sharded checkpoint of ``model`` and its ``ZeroOptimizer`` under the root
-    ``directory`` as ``step-<engine.steps>/``, then point ``directory/latest`` at it and, with
+    ``directory`` as ``step-<steps>/``, then point ``directory/latest`` at it and, with
     ``keep_last``, delete all but the newest ``keep_last`` step directories. Call on every rank
     (between steps). ``extra``: JSON-serialisable data of this rank (e.g. a sampler's state),
     returned by ``load_checkpoint``. Returns the new checkpoint's directory."""
-    engine = engine_of(model, opt)
-    comm = engine.comm
+    state = state_of(model, opt)
+    comm = state.comm
     root = Path(directory)
-    name = fs.step_dir_name(engine.steps)
+    name = fs.step_dir_name(state.counters.steps)
     header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
     with comm.untracked(), comm.phase("checkpoint save"):
-        if engine.params is not None:  # [stage 3] meet a rank still in a step at its check
-            engine.params.check(Op.CHECKPOINT)
-        prep, error = attempt(lambda: _prepare(engine, extra, keep_last))
+        state.meet(Op.CHECKPOINT)  # [stage 3] meet a rank still in a step at its check
+        prep, error = attempt(lambda: _prepare(state, extra, keep_last))
         tmp = None
         if comm.rank == 0 and not error:
             tmp, error = attempt(lambda: fs.make_tmp_dir(root, name))
         try:  # a collective that fails (a late or dead rank) leaves no temporary directory
-            replies = comm.all_gather_object((error, str(tmp) if tmp else None, engine.steps))
+            steps = state.counters.steps
+            replies = comm.all_gather_object((error, str(tmp) if tmp else None, steps))
             _check_steps([steps for _, _, steps in replies], header, tmp)
             _check([r[:2] for r in replies], header, tmp if comm.rank == 0 else None)
             tmp = Path(replies[0][1])
             assert prep is not None
-            written, error = attempt(lambda: _write_rank_file(tmp, engine, prep))
+            written, error = attempt(lambda: _write_rank_file(tmp, state, prep))
             replies = comm.all_gather_object((error, written))
             _check(replies, header, tmp if comm.rank == 0 else None)
             error = ""
             if comm.rank == 0:
                 records = [w for _, w in replies]
-                done = (root, name, tmp, model, engine, prep, records, keep_last)
+                done = (root, name, tmp, model, state, prep, records, keep_last)
                 _, error = attempt(lambda: _finish(*done))
                 if error:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -148,48 +142,48 @@ def _check(replies: list[Any], header: str, cleanup: Path | None) -> None:
 # -- phase 1: what this rank writes -------------------------------------------------------------
 
 
-def _prepare(engine: ZeroEngine, extra: Any, keep_last: int | None) -> _Prepared:
+def _prepare(state: CheckpointState, extra: Any, keep_last: int | None) -> _Prepared:
     problem = check_json(extra, "extra")
     if problem:
         raise TypeError(problem)
     if keep_last is not None and (isinstance(keep_last, bool) or not keep_last >= 1):
         raise ValueError(f"keep_last must be a positive integer or None; got {keep_last!r}")
     pieces, tensors = [], []
-    for op, r in _owned(engine):
-        piece, items = _describe(engine, op, r)
+    for op, r in _owned(state):
+        piece, items = _describe(state, op, r)
         pieces.append(piece)
         tensors += items
     rng_tensors, rng_info = rng.capture()
     tensors += list(rng_tensors.items())
     groups = [
         encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
-        for i, g in enumerate(engine.optimizer.param_groups)
+        for i, g in enumerate(state.optimizer.param_groups)
     ]
-    scaler = getattr(engine, "scaler", None)
+    scaler = state.scaler
     scaler_state = None if scaler is None else encode(scaler.state_dict(), "loss scaler state")
     return _Prepared(pieces, tensors, rng_info, extra, groups, scaler_state)
 
 
-def _owned(engine: ZeroEngine) -> Iterator[tuple[OptimPiece, Range]]:
+def _owned(state: CheckpointState) -> Iterator[tuple[OptimPiece, Range]]:
     """(piece, the range of it this rank writes). Stage 0 holds every piece on every rank:
     each rank writes a 1/N of each, so the writing is spread and nothing is written twice."""
-    rank, world = engine.comm.rank, engine.comm.world_size
-    for op in engine.pieces:
+    rank, world = state.comm.rank, state.comm.world_size
+    for op in state.pieces:
         r: Range | None = op.piece.param_range
-        if engine.plan.stage == 0:
+        if state.stage == 0:
             r = split_range(op.piece.param_range, world, rank)
         if r is not None:
             yield op, r
 
 
 def _describe(
-    engine: ZeroEngine, op: OptimPiece, r: Range
+    state: CheckpointState, op: OptimPiece, r: Range
 ) -> tuple[SavedPiece, list[tuple[str, torch.Tensor]]]:
     base = op.piece.param_range.start
     local = slice(r.start - base, r.stop - base)
     items = [(param_key(op.name, r), op.tensor.detach()[local])]
     entries: dict[str, StateEntry] = {}
-    for key, value in engine.optimizer.state.get(op.tensor, {}).items():
+    for key, value in state.optimizer.state.get(op.tensor, {}).items():
         where = f"optimizer state {key!r} of '{op.name}'"
         if isinstance(value, torch.Tensor):
             dtype = dtype_name(value.dtype)
@@ -212,8 +206,10 @@ def _describe(
 # -- phase 2: the rank file ---------------------------------------------------------------------
 
 
-def _write_rank_file(tmp: Path, engine: ZeroEngine, prep: _Prepared) -> tuple[RankRecord, FileInfo]:
-    rank = engine.comm.rank
+def _write_rank_file(
+    tmp: Path, state: CheckpointState, prep: _Prepared
+) -> tuple[RankRecord, FileInfo]:
+    rank = state.comm.rank
     name = rank_file(rank)
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in prep.tensors]
     hook = faults.hooks.writing_rank_file  # None but in tests that kill a rank mid-save
@@ -235,7 +231,7 @@ def _finish(
     name: str,
     tmp: Path,
     model: nn.Module,
-    engine: ZeroEngine,
+    state: CheckpointState,
     prep: _Prepared,
     written: list[tuple[RankRecord, FileInfo]],
     keep_last: int | None,
@@ -245,12 +241,12 @@ def _finish(
     files = {rec.file: info.to_json() for rec, info in written}
     files[COMMON_FILE] = _write_common(tmp / COMMON_FILE, model, replicated).to_json()
     manifest = Manifest(
-        step=engine.steps,
-        world_size=engine.comm.world_size,
-        stage=engine.plan.stage,
-        precision=engine.config.precision,
-        config=engine.config.to_dict(),
-        optimizer={"class": type(engine.optimizer).__name__, "param_groups": prep.groups},
+        step=state.counters.steps,
+        world_size=state.comm.world_size,
+        stage=state.stage,
+        precision=state.precision,
+        config=state.config,
+        optimizer={"class": type(state.optimizer).__name__, "param_groups": prep.groups},
         scaler=prep.scaler,
         params=tuple(_param_record(n, p, pieces.get(n)) for n, p in model.named_parameters()),
         buffers=tuple(
@@ -259,7 +255,7 @@ def _finish(
         state_dict=tuple(state_dict_entries(model)),
         ranks=tuple(sorted((rec for rec, _ in written), key=lambda r: r.rank)),
         files=files,
-        counters={c: getattr(engine, c) for c in COUNTERS if hasattr(engine, c)},
+        counters=state.counters.saved(),
         versions=_versions(),
         checksums=CHECKSUMS,
     )
@@ -301,10 +297,8 @@ def _param_record(name: str, p: nn.Parameter, piece: SavedPiece | None) -> Param
 def _versions() -> dict[str, str]:
     import safetensors
 
-    import zerodp
-
     return {
-        "zerodp": zerodp.__version__,
+        "zerodp": __version__,
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
     }

@@ -7,15 +7,12 @@ them; the theory is ``estimator.model_state_bytes`` for the same Ψ, N, stage an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from zerodp.memory.estimator import ModelStateBytes, model_state_bytes, optimizer_multiplier
-
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
 
 _OPTIMIZER_NAMES = {
     torch.optim.Adam: "adam",
@@ -120,57 +117,62 @@ def _theory_note(value: float | None) -> str:
     return "" if value is None else f"theory {value:,.0f} B"
 
 
-def measure(engine: ZeroEngine) -> MemoryReport:
-    state_bytes, scalar_bytes = _optimizer_state_bytes(engine.optimizer)
-    num = engine.num_trainable
-    seg_dtype = engine.segments[0].dtype if engine.segments else torch.float32
-    elsize = torch.empty((), dtype=seg_dtype).element_size()
-    sharded = engine.params  # stage 3
-    stage3 = {}
-    if sharded is not None:
-        stage3 = {
-            "persistent_parameters": sharded.persistent_bytes(),
-            "gathered_now": sharded.gatherer.gathered_bytes,
-            "gathered_peak": sharded.gatherer.peak_bytes,
-            "gathered_bound": sharded.gathered_bound(),
-            "largest_unit": sharded.largest_unit_bytes(),
-        }
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What one rank holds, counted by the components that hold it: the report's only input
+    (the engine builds it, ``ZeroEngine.holdings``)."""
+
+    rank: int
+    world_size: int
+    stage: int
+    precision: str
+    num_params: int  # Ψ
+    padded_numel: int
+    param_dtype: torch.dtype
+    parameters: int  # bytes, as MemoryReport's fields
+    gradients: int
+    masters: int
+    comm_buffers: int
+    frozen: int
+    step_transient: int
+    optimizer: torch.optim.Optimizer  # its state is counted here, tensor by tensor
+    stage3: dict[str, int] = field(default_factory=dict)  # MemoryReport's stage-3 fields
+
+
+def measure(held: Holdings) -> MemoryReport:
+    state_bytes, scalar_bytes = _optimizer_state_bytes(held.optimizer)
     return MemoryReport(
-        rank=engine.comm.rank,
-        world_size=engine.comm.world_size,
-        stage=engine.plan.stage,
-        num_params=num,
-        padded_numel=sum(s.layout.padded_numel for s in engine.segments),
-        parameters=(
-            sharded.param_bytes()
-            if sharded is not None
-            else sum(_nbytes(s.param_buffer) for s in engine.segments)
-        ),
-        gradients=engine.reducer.gradient_bytes(),
-        optimizer_state=state_bytes + engine.masters.nbytes,
-        master_parameters=engine.masters.nbytes,
+        rank=held.rank,
+        world_size=held.world_size,
+        stage=held.stage,
+        num_params=held.num_params,
+        padded_numel=held.padded_numel,
+        parameters=held.parameters,
+        gradients=held.gradients,
+        optimizer_state=state_bytes + held.masters,
+        master_parameters=held.masters,
         optimizer_scalar_bytes=scalar_bytes,
-        comm_buffers=engine.reducer.buffer_bytes(),
-        frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
-        step_transient=engine.runner.nbytes,
-        precision=engine.config.precision,
-        theory=_theory(engine, num, elsize),
-        **stage3,
+        comm_buffers=held.comm_buffers,
+        frozen_parameters=held.frozen,
+        step_transient=held.step_transient,
+        precision=held.precision,
+        theory=_theory(held),
+        **held.stage3,
     )
 
 
-def _theory(engine: ZeroEngine, num: int, elsize: int) -> ModelStateBytes | None:
-    name = _optimizer_name(engine.optimizer)
+def _theory(held: Holdings) -> ModelStateBytes | None:
+    name = _optimizer_name(held.optimizer)
     if name is None:
         return None
-    k = optimizer_multiplier(name, engine.config.precision)
+    elsize = torch.empty((), dtype=held.param_dtype).element_size()
     return model_state_bytes(
-        num,
-        engine.comm.world_size,
-        engine.plan.stage,
+        held.num_params,
+        held.world_size,
+        held.stage,
         param_bytes=elsize,
         grad_bytes=elsize,
-        optimizer_bytes_per_param=k,
+        optimizer_bytes_per_param=optimizer_multiplier(name, held.precision),
     )
 
 

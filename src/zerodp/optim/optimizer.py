@@ -116,7 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds by category, beside the paper's formula."""
-        return measure(self._engine)
+        return measure(self._engine.holdings())
 
     def comm_stats(self) -> CommStats | None:
         """Collective traffic (elements, bytes, calls by kind) of the last completed step."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,7 +18,6 @@ from zerodp.comm import Communicator
 from zerodp.config import ZeroConfig
 from zerodp.params.access import guard_parameters
 from zerodp.params.build import Builder, InitFn, Named
-from zerodp.params.full import StateDictHooks
 from zerodp.params.hooks import Schedule
 from zerodp.params.order import OrderCheck
 from zerodp.params.policy import UnitPlan, UnitPolicy, plan_units
@@ -28,9 +26,6 @@ from zerodp.params.segment import ShardedSegment
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan
-
-if TYPE_CHECKING:
-    from zerodp.optim.masters import Masters
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,6 @@ class ShardedParams:
         guard_parameters([p for u in self.units for s in u.segments for p in s.params], self)
         self.grads = None
         self.schedule = None
-        self._handles: list[Any] = []
 
     def _sharded(self, i: int) -> ShardedSegment:
         seg = self.segments[i]
@@ -157,7 +151,7 @@ class ShardedParams:
         )
         return self.grads
 
-    def start(self, masters: Masters, reduce_dtype: torch.dtype | None) -> ShardedGrads:
+    def start(self, reduce_dtype: torch.dtype | None) -> ShardedGrads:
         """Create the reducer (after the segments took their final dtype) and register the
         hooks. Returns the reducer, which the engine uses as its ``reducer``."""
         self.grads = self._make_grads(reduce_dtype)
@@ -178,17 +172,11 @@ class ShardedParams:
             ps = self.segments[i]
             params += [(p, n, None) for n, p in zip(ps.names, ps.params, strict=True)]
         self.schedule.register(params)
-        hooks = StateDictHooks(self, masters, self.comm)
-        hooks.install()
-        self._handles = hooks.handles
         return self.grads
 
     def remove(self) -> None:
         if self.schedule is not None:
             self.schedule.remove()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def reset(self) -> None:
         """Drop every per-step hold and release what nobody holds: after the optimizer step (the

@@ -28,6 +28,7 @@ from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
 from zerodp.params.nocompile import refuse_compile
 from zerodp.params.order import Op
+from zerodp.params.state_dict import StateDictHooks
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan
@@ -68,6 +69,13 @@ class ParamSync(Protocol):
 
     def publish(self, masters: Masters) -> None:
         """The masters were written (a step, a checkpoint load): make the parameters follow."""
+
+    def param_bytes(self) -> int:
+        """Bytes of trainable parameters held at rest (stage 3: shards and persistent ones)."""
+
+    def unit_bytes(self) -> dict[str, int]:
+        """Stage 3: persistent, gathered (now, peak, bound) and largest-unit bytes, named as
+        ``MemoryReport``'s fields; empty at stages 0-2."""
 
     def remove(self) -> None: ...
 
@@ -114,6 +122,12 @@ class ReplicatedParams:
     def publish(self, masters: Masters) -> None:
         _publish(self.gather, masters, self.plan)
 
+    def param_bytes(self) -> int:
+        return sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in self.segments)
+
+    def unit_bytes(self) -> dict[str, int]:
+        return {}
+
     def remove(self) -> None:
         _remove(self.gather, self._reducer)
 
@@ -129,6 +143,7 @@ class ShardedParamSync:
         # Persistent parameters may be read anywhere: their gather is waited for in the step.
         self.gather = DeferredGather(persistent, comm, overlap=False)
         self._grads: GradSync | None = None
+        self._state_dict: StateDictHooks | None = None  # full state dicts ([Note: writeback])
         self._adopted: list[int] = []
 
     def grad_sync(
@@ -136,7 +151,9 @@ class ShardedParamSync:
     ) -> GradSync:
         # Gradients are never replaced behind stage 3's back: they live in its shards.
         if self._grads is None:
-            self._grads = self.sharded.start(masters, reduce_dtype)
+            self._grads = self.sharded.start(reduce_dtype)
+            self._state_dict = StateDictHooks(self.sharded, masters, self.sharded.comm)
+            self._state_dict.install()
         else:
             self._grads = self.sharded.adopt(self._adopted, reduce_dtype)
             self._adopted = []
@@ -159,9 +176,25 @@ class ShardedParamSync:
         self.sharded.reset()  # gathered copies are stale now: release them
         _publish(self.gather, masters, self.plan)
 
+    def param_bytes(self) -> int:
+        return self.sharded.param_bytes()
+
+    def unit_bytes(self) -> dict[str, int]:
+        sharded = self.sharded
+        return {
+            "persistent_parameters": sharded.persistent_bytes(),
+            "gathered_now": sharded.gatherer.gathered_bytes,
+            "gathered_peak": sharded.gatherer.peak_bytes,
+            "gathered_bound": sharded.gathered_bound(),
+            "largest_unit": sharded.largest_unit_bytes(),
+        }
+
     def remove(self) -> None:
         _remove(self.gather, self._grads)
         self.sharded.remove()
+        if self._state_dict is not None:
+            for h in self._state_dict.handles:
+                h.remove()
 
 
 def _publish(gather: DeferredGather, masters: Masters, plan: Plan) -> None:
