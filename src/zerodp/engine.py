@@ -11,36 +11,28 @@ the step over their protocols (``docs/architecture.md``):
    all are finite (one small all-reduce), step the user's optimizer on the owned pieces, publish
    the updated parameters.
 
-Over the ~400-line budget (479): adopting parameters unfrozen after ``initialize`` ([Note:
-unfreezing]) or added by ``opt.add_param_group`` ([Note: param groups added after initialize])
-rebuilds the components construction builds, so it lives beside it; splitting adoption into its
-own module (with a narrow view of the components) is the next step of the restructure.
+Beside it: what to adopt after ``initialize`` (``optim/adoption.py``; the engine rebuilds the
+components for it), the hooks around the forward (``forward_hooks.py``), and the narrow views
+it hands to checkpoints, ``full_parameters`` and the memory report (``views.py``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
 from zerodp.config import ZeroConfig
+from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
 from zerodp.optim import misuse
-from zerodp.optim.agreement import (
-    KeptGrads,
-    StepFlags,
-    added_group_problem,
-    agree_on_step,
-    check_added_group,
-    check_unfrozen,
-)
-from zerodp.optim.compute_dtype import batchnorm_param_ids, cast_floats, cast_to_compute_dtype
+from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
+from zerodp.optim.agreement import KeptGrads, StepFlags, agree_on_step
+from zerodp.optim.compute_dtype import Cast, make_cast
 from zerodp.optim.loss_policy import LossPolicy, make_loss_policy
 from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.masters import Masters
@@ -54,15 +46,12 @@ from zerodp.optim.pieces import (
 )
 from zerodp.optim.runner import StepRunner, make_runner
 from zerodp.params.manager import ShardedParams, Stage3Options
-from zerodp.params.order import Op
 from zerodp.params.sync import broadcast_segments, make_param_sync
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
 from zerodp.validation import agree, check_devices, fingerprint
 from zerodp.views import CheckpointState, ParamAccess, StepCounters
-
-log = logging.getLogger("zerodp")
 
 
 class ZeroEngine:
@@ -102,7 +91,8 @@ class ZeroEngine:
         error = error or check_optimizer(optimizer, (p for _, p in named))
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
-        self._fp32_ids = batchnorm_param_ids(model) if self.plan.mixed else set()
+        self.cast: Cast = make_cast(model, self.plan.mixed, self.plan.compute_dtype)
+        self._fp32_ids = self.cast.fp32_ids
         self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
         optimized = set(self._groups)
         fp32 = self._fp32_ids
@@ -116,8 +106,7 @@ class ZeroEngine:
             self.segments, separate=plan.mixed, sharded=plan.shard_optimizer, rank=self.comm.rank
         )
         self._hooks: list[Any] = []
-        if plan.mixed:
-            self._cast_to_compute_dtype()
+        self._hooks += self.cast.install(model, self.segments, self.frozen)
         self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
         self.reducer = self._grad_sync()
         self.pieces = self._build_pieces()
@@ -128,13 +117,14 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.loss = make_loss_policy(plan, config)
         self.scaler = self.loss.scaler  # fp16 only (the checkpoint and opt.loss_scale read it)
-        self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._after_forward))
+        forward = ForwardHooks(
+            self.comm, config.broadcast_buffers, self.param_sync.check, self.cast
+        )
+        self._hooks += forward.install(model)
         # Before the schedule's root hook and the parameter-gather waits: [Note: unfreezing].
         self._hooks.append(model.register_forward_pre_hook(self._adopt_unfrozen, prepend=True))
         self._hooks += self.param_sync.guard(model)
-        # First of all: stage 3 gathers (a collective) in its own root hook.
-        self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
+        self._hooks.append(forward.install_first(model))
         self.counters = StepCounters()
         self.last_step = None
         self._grads_final = False  # finish_gradients ran since the last step / zero_grad
@@ -166,12 +156,6 @@ class ZeroEngine:
             for b in self.model.buffers():
                 self.comm.broadcast(b)
 
-    def _cast_to_compute_dtype(self) -> None:
-        dtype = self.plan.compute_dtype
-        self._hooks += cast_to_compute_dtype(
-            self.model, self.segments, self.frozen, self._fp32_ids, dtype
-        )
-
     def _grad_sync(self) -> GradSync:
         return self.param_sync.grad_sync(self.masters, self._reduce_dtype, self._on_grads_replaced)
 
@@ -198,19 +182,10 @@ class ZeroEngine:
         )
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """[Note: unfreezing] A parameter frozen at ``initialize`` has no segment, bucket or
-        optimizer piece. When it requires grad again (progressive unfreezing), the first forward
-        with grad enabled adopts it, before any gradient of it exists: new segments (stage 3:
-        persistent ones) built like the first ones, their masters and gather, a reducer over
-        every segment, and the optimizer rebound to the pieces, each old piece keeping its state.
-        Every rank must unfreeze the same parameters before the same forward (checked: one
-        small collective, only then). Freezing a trainable parameter needs nothing: it gets no
-        gradient and is not stepped, as a parameter unused in a step."""
+        """[Note: unfreezing] in optim/adoption.py."""
         if not torch.is_grad_enabled() or not any(p.requires_grad for _, p in self.frozen):
             return
-        unfrozen = [(n, p) for n, p in self.frozen if p.requires_grad]
-        check_unfrozen(self.comm, [n for n, _ in unfrozen], self.reducer.used)
-        self.frozen = [(n, p) for n, p in self.frozen if not p.requires_grad]
+        self.frozen, unfrozen = take_unfrozen(self.frozen, self.comm, self.reducer.used)
         self._adopt(unfrozen)
 
     def _adopt(self, named: list[tuple[str, nn.Parameter]], *, broadcast: bool = False) -> None:
@@ -225,8 +200,7 @@ class ZeroEngine:
         self.segments += new  # in place: the masters' (and stage 3's manager's) list too
         self.masters.add(new)  # before the cast: a new fp32 parameter's master is exact
         for seg in new:
-            if self.plan.mixed and id(seg.params[0]) not in self._fp32_ids:
-                seg.cast_(self.plan.compute_dtype)
+            self.cast.segment(seg)
         seen = self.reducer.grads_seen
         self.param_sync.adopt(new)  # [stage 3] persistent segments
         self.reducer = self._grad_sync()
@@ -240,91 +214,27 @@ class ZeroEngine:
         self.runner = self._runner()
 
     def add_param_group(self, group: dict[str, Any]) -> None:
-        """[Note: param groups added after initialize] ``opt.add_param_group`` as in torch (the
-        group keeps its options; the defaults fill the rest), its parameters sharded like the
-        others. One already known to zerodp (frozen at ``initialize``, or trainable in no group)
-        joins the group: it is stepped from its next gradient on (a frozen one once unfrozen,
-        [Note: unfreezing]). One registered in the model after ``initialize`` is broadcast from
-        rank 0 and adopted (stage 3: a persistent segment), or replicated if frozen. Every rank
-        must add the same parameters and options (checked: one small collective; otherwise every
-        rank raises and nothing changes); adopting a new trainable parameter rebuilds the
-        reducer, so no gradient may be pending then (after ``opt.zero_grad()``)."""
-        given = group["params"]
-        given = [given] if isinstance(given, torch.Tensor) else list(given)
-        params = list(dict.fromkeys(given))  # torch warns about duplicates (add_param_group)
-        names = {id(p): n for n, p in _unique_named_parameters(self.model)}
-        known = {id(p) for seg in self.segments for p in seg.params}
-        known |= {id(p) for _, p in self.frozen}
-        new = [(names[id(p)], p) for p in params if id(p) in names and id(p) not in known]
-        device = self.segments[0].device if self.segments else None
-        pending = any(map(any, self.reducer.used)) and any(p.requires_grad for _, p in new)
-        problem = added_group_problem(params, names, self._groups, device, pending)
-        labels = [names.get(id(p), f"<unnamed {type(p).__name__}>") for p in params]
-        options = sorted((k, repr(v)) for k, v in group.items() if k != "params")
-        check_added_group(self.comm, labels, options, problem)
-        self.optimizer.add_param_group({**group, "params": given})  # validates, fills defaults
-        for p in params:
+        """[Note: param groups added after initialize] in optim/adoption.py."""
+        added = examine_added_group(
+            group,
+            self.model,
+            self.segments,
+            self.frozen,
+            self._groups,
+            self.reducer.used,
+            self.comm,
+        )
+        self.optimizer.add_param_group({**group, "params": added.given})  # fills the defaults
+        for p in added.params:
             self._groups[id(p)] = len(self.optimizer.param_groups) - 1
-        frozen = [(n, p) for n, p in new if not p.requires_grad]
-        with torch.no_grad():
-            for _, p in frozen:  # replicated, as frozen parameters are
-                if self.comm.world_size > 1:
-                    self.comm.broadcast(p.data)
-                if self.plan.mixed and p.is_floating_point():
-                    p.data = p.data.to(self.plan.compute_dtype)
-        self.frozen += frozen
-        trainable = [(n, p) for n, p in new if p.requires_grad]
-        if trainable:
-            self._adopt(trainable, broadcast=True)
+        replicate_frozen(added.new_frozen, self.comm, self.cast)
+        self.frozen += added.new_frozen
+        if added.new_trainable:
+            self._adopt(added.new_trainable, broadcast=True)
         else:
             self._rebind_pieces()
 
     # -- the training step ---------------------------------------------------------------------
-
-    def _before_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self._broadcasts_buffers(module):
-            self.param_sync.check(Op.BUFFERS)
-            with torch.no_grad():
-                for b in module.buffers():
-                    self.comm.broadcast(b)
-        if not self.plan.mixed:
-            return None
-        dtype = self.plan.compute_dtype
-        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
-
-    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        training = module.training and torch.is_grad_enabled()
-        self.comm.progress.enter("forward" if training else "evaluation forward")
-
-    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """For the watchdog's messages: the phase is "backward" once autograd reaches the
-        output, and the loss computation between forward and backward counts as the forward."""
-        if not torch.is_grad_enabled():
-            self.comm.progress.enter(BETWEEN_STEPS)
-            return
-        leaf = next((t for t in tree_leaves(output) if _needs_grad(t)), None)
-        if leaf is not None:
-            progress = self.comm.progress
-            leaf.register_hook(lambda grad: progress.enter("backward"))
-
-    def _broadcasts_buffers(self, module: nn.Module) -> bool:
-        """[Note: buffers] Rank 0's buffers are broadcast only before a *training* forward
-        (module in train mode, grad enabled); DDP likewise syncs them only after forwards run
-        with grad enabled. Every rank runs those (the backward that follows is a collective
-        anyway), so the broadcast is never one that some ranks skip. Eval and ``no_grad``
-        forwards issue no collective at stages 0-2: ranks may run different numbers of them
-        (uneven evaluation, ``generate`` of different lengths), and each rank computes with its
-        own buffers, which the last training forward made equal (running statistics updated in
-        that forward from each rank's own batch differ, as under DDP)."""
-        return (
-            self.config.broadcast_buffers
-            and self.comm.world_size > 1
-            and module.training
-            and torch.is_grad_enabled()
-            and next(module.buffers(), None) is not None
-        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
@@ -385,14 +295,7 @@ class ZeroEngine:
         counters.steps += 1
         if self._skip:
             counters.skipped_steps += 1
-            reason = f"non-finite {misuse.nonfinite_what(self._flags, scale is not None)}"
-            log.warning(
-                "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
-                counters.steps,
-                reason,
-                f", loss scale {scale:g}" if scale else "",
-                counters.skipped_steps,
-            )
+            reason = misuse.skipped(self._flags, scale, counters.steps, counters.skipped_steps)
         else:
             reason = None
             self.runner.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
@@ -518,10 +421,6 @@ class ZeroEngine:
         self.param_sync.remove()
         for h in self._hooks:
             h.remove()
-
-
-def _needs_grad(x: object) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

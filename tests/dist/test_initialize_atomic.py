@@ -27,7 +27,7 @@ from zerotest import Pair, rank_world, synced_step
 import zerodp
 from zerodp import api, engine
 from zerodp.grads.reducer import GradReducer
-from zerodp.optim import runner
+from zerodp.optim import compute_dtype, runner
 from zerodp.params.deferred import DeferredGather
 from zerodp.params import sync as param_sync
 from zerodp.params.manager import ShardedParams
@@ -78,7 +78,7 @@ POINTS: dict[str, tuple[Callable[[], contextlib.AbstractContextManager[Any]], se
     "stage-3 units": (partial(_after, param_sync, "ShardedParams"), {"s3"}),
     "stage-3 start": (partial(_after, ShardedParams, "start"), {"s3"}),
     "masters": (partial(_after, engine, "Masters"), ALL),
-    "cast": (partial(_after, engine.ZeroEngine, "_cast_to_compute_dtype"), {"mixed"}),
+    "cast": (partial(_after, compute_dtype.ComputeCast, "install"), {"mixed"}),
     "reducer hooks": (partial(_after, GradReducer, "register_hooks"), S012),
     "rebind optimizer": (partial(_after, engine, "rebind_optimizer"), ALL),
     "chunked step": (partial(_after, runner, "ChunkedGrads"), {"mixed"}),

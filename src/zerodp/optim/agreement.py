@@ -37,7 +37,6 @@ collective. Their reduced gradient is zero (nothing contributed), as torch's kep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -97,90 +96,12 @@ def agree_on_step(
 def unreduced_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> str:
     """A parameter frozen at ``initialize`` that got a gradient without the engine adopting it
     ("" if none): unfrozen after the last forward that ran with grad enabled ([Note:
-    unfreezing] in engine.py). Freezing a trainable parameter needs nothing: it simply gets no
-    gradient, as a parameter unused in a step."""
+    unfreezing] in optim/adoption.py). Freezing a trainable parameter needs nothing: it simply
+    gets no gradient, as a parameter unused in a step."""
     for name, p in frozen:
         if p.requires_grad and p.grad is not None:
             return f"'{name}'"
     return ""
-
-
-def check_unfrozen(comm: Communicator, names: list[str], used: list[list[bool]]) -> None:
-    """Before adopting unfrozen parameters ([Note: unfreezing] in engine.py): every rank must
-    have unfrozen the same ones, with no gradient accumulated since the last ``zero_grad``
-    (the re-planned reducer starts from zero). Raises the same error on every rank."""
-    pending = any(any(u) for u in used)
-    everyone = comm.all_gather_object((names, pending))
-    problems = [
-        f"rank {r} unfroze {theirs} but rank 0 unfroze {everyone[0][0]}"
-        for r, (theirs, _) in enumerate(everyone)
-        if theirs != everyone[0][0]
-    ]
-    problems += [
-        f"rank {r} has gradients accumulated since the last zero_grad (a backward ran before "
-        "this forward): unfreeze parameters after opt.step() / opt.zero_grad(), not between "
-        "micro-batches"
-        for r, (_, late) in enumerate(everyone)
-        if late
-    ]
-    if problems:
-        raise RuntimeError("zerodp: cannot adopt unfrozen parameters:\n  " + "\n  ".join(problems))
-
-
-def added_group_problem(
-    params: list[Any],
-    names: dict[int, str],  # id -> name of the model's parameters
-    groups: dict[int, int],  # id -> optimizer group of the parameters in one
-    device: torch.device | None,  # the model's
-    pending: bool,  # a new trainable parameter while gradients are pending
-) -> str:
-    """Why this rank cannot add a group of ``params`` ("" if it can)."""
-    for p in params:
-        if not isinstance(p, torch.Tensor):
-            return f"optimizer can only optimize Tensors, but one of the params is {type(p)}"
-        if id(p) not in names:
-            return (
-                f"a tensor of shape {tuple(p.shape)} is not a parameter of the model given to "
-                "zerodp.initialize: register it in the model on every rank first (e.g. as a "
-                "submodule's parameter), so that zerodp can broadcast and shard it"
-            )
-        name = names[id(p)]
-        if id(p) in groups:
-            return (
-                f"parameter '{name}' is already in param group {groups[id(p)]} (some "
-                "parameters appear in more than one parameter group)"
-            )
-        if device is not None and p.device != device:
-            return f"parameter '{name}' is on {p.device}, the model on {device}"
-    if pending:
-        return (
-            "gradients are pending since the last zero_grad: add a group with new trainable "
-            "parameters after opt.step() and opt.zero_grad(), not between micro-batches"
-        )
-    return ""
-
-
-def check_added_group(
-    comm: Communicator, labels: list[str], options: list[tuple[str, str]], problem: str
-) -> None:
-    """Before ``opt.add_param_group`` changes anything ([Note: param groups added after
-    initialize] in engine.py): every rank adds the same parameters with the same options, and
-    no rank found a problem. Raises the same ``ValueError`` on every rank."""
-    everyone = comm.all_gather_object((labels, options, problem))
-    first_labels, first_options, _ = everyone[0]
-    problems = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(everyone) if p]
-    for r, (theirs, opts, _) in enumerate(everyone):
-        if theirs != first_labels:
-            problems.append(f"rank {r} adds {theirs} but rank 0 adds {first_labels}")
-        elif opts != first_options:
-            problems.append(f"rank {r} adds the group with options {opts}, rank 0 {first_options}")
-    if problems:
-        raise ValueError(
-            "zerodp: opt.add_param_group refused, nothing was changed:\n  "
-            + "\n  ".join(problems)
-            + "\n(every rank must add the same model parameters, with no gradient pending if "
-            "one is new; or pass every group to the optimizer before zerodp.initialize)"
-        )
 
 
 class KeptGrads:

@@ -56,6 +56,19 @@ def nonfinite_what(flags: StepFlags, loss_scaling: bool) -> str:
     return "gradients"
 
 
+def skipped(flags: StepFlags, scale: float | None, step: int, count: int) -> str:
+    """Log that step ``step`` was skipped (the ``count``-th); returns the reason."""
+    reason = f"non-finite {nonfinite_what(flags, scale is not None)}"
+    log.warning(
+        "zerodp: step %d skipped (%s on at least one rank)%s; %d skipped so far",
+        step,
+        reason,
+        f", loss scale {scale:g}" if scale else "",
+        count,
+    )
+    return reason
+
+
 def nonfinite_error(step: int, what: str) -> RuntimeError:
     return RuntimeError(
         f"zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "

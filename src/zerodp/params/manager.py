@@ -135,10 +135,10 @@ class ShardedParams:
 
     def adopt(self, new_ids: list[int], reduce_dtype: torch.dtype | None) -> ShardedGrads:
         """Segments ``new_ids`` (already appended to ``segments``: parameters unfrozen after
-        ``initialize``, [Note: unfreezing] in engine.py) become persistent segments, reduced at
-        the end of backward. Called before a forward with no reduced gradient pending (the
-        engine checks; ``no_sync`` gradients live in ``param.grad`` and survive): the reducer is
-        rebuilt over every segment. Returns it."""
+        ``initialize``, [Note: unfreezing] in optim/adoption.py) become persistent segments,
+        reduced at the end of backward. Called before a forward with no reduced gradient
+        pending (the engine checks; ``no_sync`` gradients live in ``param.grad`` and survive):
+        the reducer is rebuilt over every segment. Returns it."""
         assert self.schedule is not None
         for i in new_ids:
             self.check.labels.append(f"persistent parameters #{len(self.persistent_seg_ids)}")
