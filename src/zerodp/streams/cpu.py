@@ -1,0 +1,122 @@
+"""Streams on the CPU: each side stream is one worker thread running its work in order."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from zerodp.streams.base import Event, StreamError, failure
+
+
+class CpuEvent:
+    def __init__(self, future: Future[Any], stream: str) -> None:
+        self._future = future
+        self._stream = stream
+
+    def wait(self) -> None:
+        error = self._future.exception()
+        if error is None:
+            return
+        if isinstance(error, StreamError):
+            raise error
+        assert isinstance(error, Exception)
+        raise failure(self._stream, error) from error
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._future.result()
+
+
+def _completed(value: Any, stream: str) -> CpuEvent:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return CpuEvent(future, stream)
+
+
+class InlineStream:
+    """The caller's own thread: work runs at once (the CPU's compute stream)."""
+
+    name = "compute"
+
+    def submit(self, fn: Callable[[], Any], uses: Sequence[torch.Tensor] = ()) -> Event:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # raised to the caller by the event, as on a side stream
+            future.set_exception(exc)
+        return CpuEvent(future, self.name)
+
+    def wait(self, event: Event) -> None:
+        event.wait()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class WorkerStream:
+    """One worker thread; see [Note: streams] for what a failure does to later work."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zerodp-{name}")
+        self._failed: StreamError | None = None
+        self._lock = threading.Lock()
+        self._last: CpuEvent = _completed(None, name)
+
+    def submit(self, fn: Callable[[], Any], uses: Sequence[torch.Tensor] = ()) -> Event:
+        def run(kept: tuple[torch.Tensor, ...] = tuple(uses)) -> Any:  # kept alive until run
+            if self._failed is not None:
+                raise self._failed
+            try:
+                return fn()
+            except Exception as exc:
+                self._failed = failure(self.name, exc)
+                raise self._failed from exc
+
+        with self._lock:
+            event = CpuEvent(self._pool.submit(run), self.name)
+            self._last = event
+        return event
+
+    def wait(self, event: Event) -> None:
+        # The worker blocks on the event before later work; a failure of that work poisons
+        # this stream too, since what follows may depend on it.
+        self.submit(event.wait)
+
+    def synchronize(self) -> None:
+        self._last.wait()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CpuStreams:
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._compute = InlineStream()
+        self._sides: dict[str, WorkerStream] = {}
+
+    @property
+    def compute(self) -> InlineStream:
+        return self._compute
+
+    def side(self, name: str) -> WorkerStream:
+        stream = self._sides.get(name)
+        if stream is None:
+            stream = self._sides[name] = WorkerStream(name)
+        return stream
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def close(self) -> None:
+        for stream in self._sides.values():
+            stream.close()
+        self._sides.clear()
