@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
+from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator, GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.grads.sync import GradSync
 from zerodp.optim import misuse
@@ -88,7 +88,7 @@ class ZeroEngine:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         config: ZeroConfig,
-        process_group: Any = None,
+        process_group: GroupLike = None,
         stage3: Stage3Options | None = None,
     ) -> None:
         self.config = config
