@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm.groups import GroupLike, members, not_a_member_message, resolve_group
+from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
 from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
 
@@ -156,6 +156,11 @@ class Communicator:
 
     def global_rank(self, group_rank: int) -> int:
         return self.members[group_rank]
+
+    def claim(self, name: str) -> tuple[int, ...]:
+        """Claim ``name`` for this group for the rest of the job; the global ranks of the group
+        that holds it (this one's unless another group claimed it first). Call on one rank."""
+        return claim(name, self.group)
 
     # -- launching and waiting ([Note: watchdog]) ----------------------------------------------
 

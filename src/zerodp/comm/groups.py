@@ -1,4 +1,4 @@
-"""Which process group zerodp runs on.
+"""Which process group zerodp runs on, and names one group claims for the whole job.
 
 [Note: data-parallel sub-groups]
 ``zerodp.initialize(..., process_group=...)`` takes the data-parallel group: ``None`` (the
@@ -15,6 +15,10 @@ shards, not the model's, and TP ranks clip by different factors. The model's nor
 p-th powers summed over TP as well, counting the parameters replicated over TP once: that
 belongs with tensor-parallel support, not here. A model replicated over the other dimensions
 (the same parameters on every TP rank) gets the true norm.
+
+Several DP groups of one job share no zerodp collective, but they may share a filesystem:
+``claim`` lets one group own a name (a checkpoint root) for the job's lifetime through the
+default group's store, with no collective between groups that never meet.
 """
 
 from __future__ import annotations
@@ -66,3 +70,16 @@ def members(group: ProcessGroup | None) -> tuple[int, ...]:
     if group is None:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+def claim(name: str, group: ProcessGroup | None) -> tuple[int, ...]:
+    """Claim ``name`` for ``group`` for the rest of the job (the default group's lifetime) and
+    return the global ranks of the group holding it: ``group``'s own unless another group
+    claimed it first. One store operation, no collective; call it on one rank of ``group``."""
+    store = dist.distributed_c10d._get_default_store()
+    mine = ",".join(map(str, members(group)))
+    # compare_set writes ``mine`` only where the key is absent ("" expected) and returns the
+    # value now stored: ours, or the first claimant's.
+    held = store.compare_set(f"zerodp/claim/{name}", "", mine)
+    text = held.decode() if isinstance(held, bytes) else str(held)
+    return tuple(int(r) for r in text.split(",") if r)
