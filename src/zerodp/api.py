@@ -41,8 +41,10 @@ def initialize(
     ``process_group`` is the data-parallel group (default: the whole world): a
     ``ProcessGroup``, or a 1-D ``DeviceMesh`` such as ``mesh["dp"]`` of a DP x TP mesh (a mesh
     of more dimensions is a ``ValueError``). Every zerodp collective runs on that group only;
-    the other dimensions' collectives are the model's ([Note: data-parallel sub-groups] in
-    ``zerodp/comm/groups.py``, which also says what checkpoints and clipping do there).
+    the other dimensions' collectives are the model's. Under tensor parallelism,
+    ``clip_grad_norm_`` sees this TP rank's shards only ([Note: data-parallel sub-groups] in
+    ``zerodp/comm/groups.py``), and each TP rank saves checkpoints to its own directory
+    ([Note: one data-parallel group per root] in ``zerodp/checkpoint/save.py``).
 
     Stage 3 only: ``unit_policy(name, module) -> bool`` chooses the modules whose parameters are
     gathered together (default: ``ZeroConfig.unit_classes`` / the container-element policy,
