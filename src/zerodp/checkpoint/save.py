@@ -136,7 +136,10 @@ def _claim_root(comm: Communicator, root: Path) -> None:
     group, and each would publish its own ``step-N`` into a shared root: the last rename wins
     (a TP model's other shards are silently lost), and one group's stale-file sweep deletes the
     other's half-written temporary directory. The first group to save into a root owns it for
-    the job; any other group's save raises before writing anything."""
+    the job; any other group's save raises before writing anything. The whole world has no
+    other group to meet, so its saves stay free of the store operation."""
+    if comm.is_default_group:
+        return
     holder = comm.claim("checkpoint-root:" + os.path.realpath(root))
     if holder == comm.members:
         return
