@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
+from zerodp.comm import GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
 from zerodp.module import attach, zero_class
@@ -22,7 +22,7 @@ def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig | None = None,
-    process_group: Any = None,
+    process_group: GroupLike = None,
     *,
     unit_policy: UnitPolicy | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
@@ -38,8 +38,13 @@ def initialize(
     On any error the model, its class, its parameters and the optimizer are left exactly as
     they were ([Note: initialize is all or nothing] in ``zerodp/snapshot.py``).
 
-    ``process_group`` is the data-parallel group (default: the whole world), e.g. one
-    dimension of a larger device mesh.
+    ``process_group`` is the data-parallel group (default: the whole world): a
+    ``ProcessGroup``, or a 1-D ``DeviceMesh`` such as ``mesh["dp"]`` of a DP x TP mesh (a mesh
+    of more dimensions is a ``ValueError``). Every zerodp collective runs on that group only;
+    the other dimensions' collectives are the model's. Under tensor parallelism,
+    ``clip_grad_norm_`` sees this TP rank's shards only ([Note: data-parallel sub-groups] in
+    ``zerodp/comm/groups.py``), and each TP rank saves checkpoints to its own directory
+    ([Note: one data-parallel group per root] in ``zerodp/checkpoint/save.py``).
 
     Stage 3 only: ``unit_policy(name, module) -> bool`` chooses the modules whose parameters are
     gathered together (default: ``ZeroConfig.unit_classes`` / the container-element policy,

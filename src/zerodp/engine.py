@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator
+from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator, GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
@@ -77,7 +77,7 @@ class ZeroEngine:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         config: ZeroConfig,
-        process_group: Any = None,
+        process_group: GroupLike = None,
         stage3: Stage3Options | None = None,
     ) -> None:
         self.config = config

@@ -92,3 +92,16 @@ def test_different_collectives_at_different_steps() -> None:
         "run the same number of optimizer steps, and the same collectives, before a "
         "checkpoint, an evaluation or the end",
     ]
+
+
+def test_a_sub_group_names_its_global_ranks() -> None:
+    """In the DP group {1, 3} of a 2 x 2 mesh, group rank 1 is global rank 3: say so."""
+    me = Arrival(5, "all_gather", 1, "forward")
+    records = {0: _rec(5, "all_gather", 1, "forward", waiting=True)}
+    message, late, _ = explain(0, me, 2.0, records, RuntimeError("t"), True, 2.0, 2, (1, 3))
+    assert late == [1]
+    assert message.split("\n")[1] == (
+        "ranks are those of zerodp's process group; as global ranks: 0 is 1, 1 is 3"
+    )
+    world, _, _ = explain(0, me, 2.0, records, RuntimeError("t"), True, 2.0, 2, (0, 1))
+    assert "global ranks" not in world

@@ -5,7 +5,8 @@ naming the newest. A save writes into a hidden ``.step-00001000.tmp-<nonce>/`` n
 and becomes visible only through ``os.rename`` once every file is written and fsynced, so a
 crash at any point leaves at most a hidden temporary directory (removed by the next save) and
 never a half-written directory under a checkpoint's name. Only rank 0 calls the functions that
-change the root; they assume one training job per root.
+change the root; they assume one training job, and one data-parallel group of it, per root
+(``save_checkpoint`` enforces the latter: [Note: one data-parallel group per root] in save.py).
 """
 
 from __future__ import annotations

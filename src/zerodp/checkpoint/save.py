@@ -51,6 +51,7 @@ from zerodp.checkpoint.manifest import (
     state_key,
 )
 from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
+from zerodp.comm import Communicator
 from zerodp.optim.pieces import OptimPiece
 from zerodp.params.order import Op
 from zerodp.partition.layout import Range
@@ -80,7 +81,9 @@ def save_checkpoint(
     ``directory`` as ``step-<steps>/``, then point ``directory/latest`` at it and, with
     ``keep_last``, delete all but the newest ``keep_last`` step directories. Call on every rank
     (between steps). ``extra``: JSON-serialisable data of this rank (e.g. a sampler's state),
-    returned by ``load_checkpoint``. Returns the new checkpoint's directory."""
+    returned by ``load_checkpoint``. Returns the new checkpoint's directory. With a
+    data-parallel sub-group, ``directory`` belongs to the first group that saves into it
+    ([Note: one data-parallel group per root])."""
     state = state_of(model, opt)
     comm = state.comm
     root = Path(directory)
@@ -90,6 +93,8 @@ def save_checkpoint(
         state.meet(Op.CHECKPOINT)  # [stage 3] meet a rank still in a step at its check
         prep, error = attempt(lambda: _prepare(state, extra, keep_last))
         tmp = None
+        if comm.rank == 0 and not error:
+            _, error = attempt(lambda: _claim_root(comm, root))
         if comm.rank == 0 and not error:
             tmp, error = attempt(lambda: fs.make_tmp_dir(root, name))
         try:  # a collective that fails (a late or dead rank) leaves no temporary directory
@@ -117,6 +122,28 @@ def save_checkpoint(
         if error:
             raise CheckpointError(f"{header}\n  rank 0: {error}")
     return root / name
+
+
+def _claim_root(comm: Communicator, root: Path) -> None:
+    """[Note: one data-parallel group per root] A job whose data-parallel group is one of
+    several (the DP groups of a DP x TP mesh, one per TP rank) has a group rank 0 in every DP
+    group, and each would publish its own ``step-N`` into a shared root: the last rename wins
+    (a TP model's other shards are silently lost), and one group's stale-file sweep deletes the
+    other's half-written temporary directory. The first group to save into a root owns it for
+    the job; any other group's save raises before writing anything. The whole world has no
+    other group to meet, so its saves stay free of the store operation."""
+    if comm.is_default_group:
+        return
+    holder = comm.claim("checkpoint-root:" + os.path.realpath(root))
+    if holder == comm.members:
+        return
+    raise CheckpointError(
+        f"{root} is the checkpoint root of another data-parallel group of this job (global "
+        f"ranks {list(holder)}); this group (global ranks {list(comm.members)}) would overwrite "
+        "its checkpoints. With a DP x TP mesh, save each tensor-parallel rank to its own "
+        'directory (e.g. f"{root}/tp{tp_rank}"); a model replicated across tensor-parallel '
+        "ranks can instead be saved by one data-parallel group only (tp_rank 0) and loaded by all"
+    )
 
 
 def _check_steps(steps: list[int], header: str, tmp: Path | None) -> None:

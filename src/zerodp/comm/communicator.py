@@ -1,8 +1,9 @@
 """The one place that calls ``torch.distributed``.
 
-``Communicator`` binds a process group (the data-parallel group; ``None`` means the default
-group) and a ``CommLedger``. Every collective goes through it, so the ledger sees all traffic.
-Asynchronous collectives return a ``Handle``: start now, ``wait()`` when the result is needed.
+``Communicator`` binds a process group (the data-parallel group: ``None`` means the default
+group; a 1-D ``DeviceMesh`` its group, see ``groups.py``) and a ``CommLedger``. Every collective
+goes through it, so the ledger sees all traffic. Asynchronous collectives return a ``Handle``:
+start now, ``wait()`` when the result is needed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
 from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
 
@@ -76,7 +78,7 @@ class Communicator:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        group: GroupLike,
         ledger: CommLedger | None = None,
         watchdog_s: float | None = DEFAULT_WATCHDOG_S,
     ) -> None:
@@ -86,12 +88,16 @@ class Communicator:
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
                 "or launch with `zerodp train` / torchrun"
             )
-        self.group = group
+        # [Note: data-parallel sub-groups] in groups.py: a mesh dimension becomes its group here,
+        # once; every rank below is a group rank.
+        self.group = resolve_group(group)
+        group = self.group
         self.ledger = ledger if ledger is not None else CommLedger()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         if self.rank < 0:
-            raise ValueError("this process is not a member of the process_group given to zerodp")
+            raise ValueError(not_a_member_message())
+        self.members = members(group)  # global ranks, index = group rank
         self.backend = str(dist.get_backend(group))
         # Libraries that synchronise ranks themselves (transformers' generate(synced_gpus=True))
         # use the default group: only right when it is this group.
@@ -107,10 +113,9 @@ class Communicator:
         self.watch: Watch | None = None
         self.progress = Progress()  # the engine says what this rank is doing
         if self.world_size > 1:
-            members = [self.global_rank(r) for r in range(self.world_size)]
             default = dist.distributed_c10d._get_default_group()
             store = dist.distributed_c10d._get_default_store()
-            self.watch = watch_for(default, store, self.rank, members)
+            self.watch = watch_for(default, store, self.rank, self.members)
             self.watch.use_timeout(watchdog_s)
             self.progress = self.watch.progress
         _collect_cycles_at_exit()
@@ -150,7 +155,12 @@ class Communicator:
             self.progress.phase = saved
 
     def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
+        return self.members[group_rank]
+
+    def claim(self, name: str) -> tuple[int, ...]:
+        """Claim ``name`` for this group for the rest of the job; the global ranks of the group
+        that holds it (this one's unless another group claimed it first). Call on one rank."""
+        return claim(name, self.group)
 
     # -- launching and waiting ([Note: watchdog]) ----------------------------------------------
 

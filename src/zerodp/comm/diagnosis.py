@@ -4,6 +4,7 @@ them into one error message ([Note: watchdog] in watchdog.py)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -80,8 +81,10 @@ def explain(
     timed_out: bool,
     timeout_s: float | None,
     world: int,
+    members: Sequence[int] = (),
 ) -> tuple[str, list[int], int | None]:
-    """(message, late group ranks, first failed group rank)."""
+    """(message, late group ranks, first failed group rank). ``members``: the group's global
+    ranks, named in the message where they differ from the group ranks (a DP group of a mesh)."""
     now = time.time()
     here = f"{arrival.op} #{arrival.seq} ({where(arrival.step, arrival.phase)})"
     others = {r: rec for r, rec in records.items() if r != me}
@@ -112,7 +115,7 @@ def explain(
         head = f"rank {me} {verb} {here}; late: rank(s) {_join(late)}, which did not reach it"
     else:
         head = f"rank {me} was in {here}; every rank reached it"
-    lines = [head]
+    lines = [head, *_global_ranks(members)]
     ops = {r: rec.op for r, rec in records.items() if rec.seq == arrival.seq}
     ops[me] = arrival.op
     if len(set(ops.values())) > 1:
@@ -169,6 +172,14 @@ def _mark(r: int, me: int, late: list[int]) -> str:
     if r in late:
         marks.append("late")
     return f"   <- {', '.join(marks)}" if marks else ""
+
+
+def _global_ranks(members: Sequence[int]) -> list[str]:
+    """Ranks here are group ranks; in a DP group {1, 3} of a mesh, "rank 1" is global rank 3."""
+    if tuple(members) == tuple(range(len(members))):
+        return []
+    pairs = ", ".join(f"{r} is {g}" for r, g in enumerate(members))
+    return [f"ranks are those of zerodp's process group; as global ranks: {pairs}"]
 
 
 def _join(ranks: list[int]) -> str:

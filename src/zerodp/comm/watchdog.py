@@ -163,7 +163,7 @@ class Watch:
         records = self.read_all()
         world = len(self.members)
         message, late, failed = explain(
-            self.rank, arrival, waited, records, cause, timed_out, timeout, world
+            self.rank, arrival, waited, records, cause, timed_out, timeout, world, self.members
         )
         self.late = tuple(late)
         self.publish()  # a late rank that arrives now reads that it was the one

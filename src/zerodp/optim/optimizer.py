@@ -105,7 +105,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does over
         the full model, and return that total norm (the same on every rank). Call it between
-        ``backward`` and ``step``."""
+        ``backward`` and ``step``. The norm is over the data-parallel group's model: with tensor
+        parallelism, this TP rank's shards only ([Note: data-parallel sub-groups])."""
         return self._engine.clip_grad_norm_(max_norm, norm_type)
 
     def wait_params(self) -> None:
