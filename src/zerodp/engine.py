@@ -126,7 +126,7 @@ class ZeroEngine:
         self.param_gather = self.param_sync.gather
         self.param_sync.install(model)
         self.optimizer = optimizer
-        self.loss = make_loss_policy(plan, config)
+        self.loss = make_loss_policy(plan, config.precision)
         self.scaler = self.loss.scaler  # fp16 only (the checkpoint and opt.loss_scale read it)
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
@@ -334,7 +334,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
-        checked too, ``ZeroConfig.nonfinite``; a device flag, no synchronisation)."""
+        checked too, ``ZeroConfig.precision.nonfinite``; a device flag, no synchronisation)."""
         self._scaled_backward = True
         self.loss.backward_loss(loss).backward()
 
@@ -361,8 +361,8 @@ class ZeroEngine:
         self._check_nonfinite()
 
     def _check_nonfinite(self) -> None:
-        """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
-        clip until ``zero_grad``."""
+        """``ZeroConfig.precision.nonfinite='raise'`` (fp32, bf16): every rank raises, at every
+        step or clip until ``zero_grad``."""
         self.loss.refuse(self._skip, self._flags, self.steps + 1)
 
     def _inv_scale(self) -> float:

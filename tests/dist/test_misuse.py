@@ -1,7 +1,8 @@
 """Misuse that must never be silently wrong (issue 13), world size 2, gloo, against unsharded
 training or against the correct use, with exact messages and counts:
 
-1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.nonfinite``, default "raise");
+1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.precision.nonfinite``, default
+   "raise");
 2. ``opt.step()`` with no backward since the last step (``ZeroConfig.step_without_backward``,
    default "warn");
 3. ``model.zero_grad()`` (and ``p.grad = None`` loops) instead of ``opt.zero_grad()``;
@@ -141,9 +142,10 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
 BAD = 2  # the step at which rank 1's loss is infinite
 RAISE_MSG = (
     "zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
-    "(ZeroConfig.nonfinite='raise'). The run diverged or a batch is bad: lower the learning "
-    "rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or set "
-    "ZeroConfig(nonfinite='skip') to skip such steps on every rank"
+    "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
+    "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
+    "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
+    "rank"
 )
 SKIP_MSG = "zerodp: step {step} skipped ({reason} on at least one rank); {n} skipped so far"
 

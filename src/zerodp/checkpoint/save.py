@@ -248,7 +248,7 @@ def _finish(
         step=engine.steps,
         world_size=engine.comm.world_size,
         stage=engine.plan.stage,
-        precision=engine.config.precision,
+        precision=engine.config.precision.compute,
         config=engine.config.to_dict(),
         optimizer={"class": type(engine.optimizer).__name__, "param_groups": prep.groups},
         scaler=prep.scaler,

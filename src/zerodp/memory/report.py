@@ -45,7 +45,7 @@ class MemoryReport:
     precision: str
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
     # Stage 3 (0 otherwise). ``parameters`` is then this rank's shards plus the persistent ones.
-    persistent_parameters: int = 0  # replicated small parameters (ZeroConfig.persist_numel)
+    persistent_parameters: int = 0  # replicated small parameters (ZeroConfig.stage3.persist_numel)
     gathered_now: int = 0  # bytes of gathered (unsharded) unit parameters alive now
     gathered_peak: int = 0  # their peak since initialize (or engine.params.gatherer.reset_peak())
     gathered_bound: int = 0  # what the schedule guarantees gathered_peak stays below
@@ -153,7 +153,7 @@ def measure(engine: ZeroEngine) -> MemoryReport:
         comm_buffers=engine.reducer.buffer_bytes(),
         frozen_parameters=sum(_nbytes(p) for _, p in engine.frozen),
         step_transient=engine.runner.nbytes,
-        precision=engine.config.precision,
+        precision=engine.config.precision.compute,
         theory=_theory(engine, num, elsize),
         **stage3,
     )
@@ -163,7 +163,7 @@ def _theory(engine: ZeroEngine, num: int, elsize: int) -> ModelStateBytes | None
     name = _optimizer_name(engine.optimizer)
     if name is None:
         return None
-    k = optimizer_multiplier(name, engine.config.precision)
+    k = optimizer_multiplier(name, engine.config.precision.compute)
     return model_state_bytes(
         num,
         engine.comm.world_size,

@@ -72,7 +72,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped so far because some rank had non-finite gradients (fp16; fp32 and bf16
-        with ``ZeroConfig(nonfinite='skip')``: or a non-finite loss)."""
+        with ``Precision(nonfinite='skip')``: or a non-finite loss)."""
         return self._engine.skipped_steps
 
     @property
