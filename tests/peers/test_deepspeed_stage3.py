@@ -315,7 +315,7 @@ def case_bf16_fp32_reduce(stage: int) -> list[float]:
     with lr 1 moves the fp32 master from 1 to exactly -0.00390625."""
     rank, _ = rank_world()
     model = Scale()
-    config = cfg(stage, precision="bf16", reduce_dtype="fp32")
+    config = cfg(stage, precision=zerodp.Precision(compute="bf16", reduce="fp32"))
     model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     x = torch.full((4,), 1.0 if rank == 0 else 1.0078125, dtype=torch.bfloat16)
     model(x).backward()
