@@ -120,13 +120,14 @@ def _check_reduce_bytes(opt, reduce: str) -> None:
         assert stats.bytes.get(kind, 0) == n * size, f"{kind}: {stats.bytes} for {n} elements"
 
 
-def _run(factory, precision, reduce, stage, units, losses_for_step, steps=3, micro=1,
-         initial_scale=2.0**16):  # fmt: skip
+def _run(
+    factory, precision, reduce, stage, units, losses_for_step, steps=3, micro=1, initial=2.0**16
+):
     rank, world = rank_world()
     model = build(factory)
-    scale = initial_scale if precision == "fp16" else 1.0
+    scale = initial if precision == "fp16" else 1.0
     emu = Emulation(model, precision, reduce, world, scale)
-    scaling = zerodp.LossScaling(initial=initial_scale)
+    scaling = zerodp.LossScaling(initial=initial)
     policy = zerodp.Precision(compute=precision, reduce=reduce, loss_scaling=scaling)
     config = cfg(stage, units, precision=policy)
     model, opt = zerodp.initialize(model, _adamw(model.parameters()), config)
@@ -180,7 +181,7 @@ def case_reduce_dtype(cases: list[tuple[str, str]]) -> list:
     for precision, reduce in cases:
         for stage in STAGES:
             _run(lambda: mlp_stack(16), precision, reduce, stage, ("MLPBlock",), _mse(16, 16),
-                 steps=2, initial_scale=1024.0)  # fmt: skip
+                 steps=2, initial=1024.0)  # fmt: skip
     return cases
 
 
@@ -256,7 +257,7 @@ def case_norm_modules() -> dict:
         for stage in STAGES:
             model, _ = _run(Norms, precision, "fp32", stage, ("Linear", "Conv2d"),
                             lambda s: _images(s, world), steps=2,
-                            initial_scale=1024.0)  # fmt: skip
+                            initial=1024.0)  # fmt: skip
             y = model(torch.randn(3, 1, 6, 6))
             assert y.dtype == DTYPES[precision], f"output is {y.dtype}"
             got = {n: str(t.dtype) for n, t in [*model.named_parameters(),
