@@ -132,6 +132,8 @@ class ZeroConfig(Policy):
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> ZeroConfig:
+        """The config ``to_dict`` (or a JSON file) gives: policies as nested dicts, partial
+        ones keeping their other defaults, ``"precision": "bf16"`` as the shorthand."""
         return cls._from_dict(values, stacklevel=4)
 
     @classmethod
