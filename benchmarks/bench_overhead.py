@@ -70,12 +70,14 @@ class System:
             )
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
         elif name.startswith("zero"):
-            # "zero3+check_unit_order=False": a stage and ZeroConfig overrides (bool/int values)
+            # "zero3+stage3.check_unit_order=False": a stage and ZeroConfig overrides, nested
+            # fields by their dotted path (bool/int/str values)
             stage, *overrides = name[4:].split("+")
-            extra = dict(_override(o) for o in overrides)
-            cfg = zerodp.ZeroConfig(
-                stage=int(stage), bucket_bytes=int(args.bucket_mb * 2**20), **extra
-            )
+            values: dict[str, Any] = {"stage": int(stage)}
+            values["bucket_bytes"] = int(args.bucket_mb * 2**20)
+            for o in overrides:
+                _override(values, o)
+            cfg = zerodp.ZeroConfig.from_dict(values)
             model, opt = zerodp.initialize(model, opt, cfg)
         self.model, self.opt = model, opt
 
@@ -98,10 +100,14 @@ class System:
         return times
 
 
-def _override(text: str) -> tuple[str, Any]:
+def _override(values: dict[str, Any], text: str) -> None:
+    """Set ``"stage3.prefetch_depth=2"`` in ``values`` (a ZeroConfig dict)."""
     key, value = text.split("=")
     parsed: Any = {"True": True, "False": False}.get(value, value)
-    return key, int(parsed) if isinstance(parsed, str) and parsed.isdigit() else parsed
+    *parents, leaf = key.split(".")
+    for part in parents:
+        values = values.setdefault(part, {})
+    values[leaf] = int(parsed) if isinstance(parsed, str) and parsed.isdigit() else parsed
 
 
 def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:

@@ -12,7 +12,7 @@ from zerodp.checkpoint import (
     save_checkpoint,
 )
 from zerodp.comm import CollectiveError, CommStats
-from zerodp.config import ZeroConfig
+from zerodp.config import LossScaling, Precision, Stage3, ZeroConfig
 from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
 from zerodp.optim.loss_scaler import StepInfo
@@ -24,7 +24,10 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CommStats",
+    "LossScaling",
     "MemoryReport",
+    "Precision",
+    "Stage3",
     "StepInfo",
     "ZeroConfig",
     "ZeroModule",

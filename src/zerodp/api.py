@@ -47,8 +47,8 @@ def initialize(
     ([Note: one data-parallel group per root] in ``zerodp/checkpoint/save.py``).
 
     Stage 3 only: ``unit_policy(name, module) -> bool`` chooses the modules whose parameters are
-    gathered together (default: ``ZeroConfig.unit_classes`` / the container-element policy,
-    see ``zerodp/params/policy.py``). A model built under ``zerodp.sharded_init()`` (on the
+    gathered together (default: ``ZeroConfig.stage3.unit_classes`` / the container-element
+    policy, see ``zerodp/params/policy.py``). A model built under ``zerodp.sharded_init()`` (on the
     meta device) is materialised here unit by unit on ``device`` (default: cpu), initialised by
     ``init_fn(unit_module)`` (default: its ``init_weights()`` or ``reset_parameters()``).
     """

@@ -115,7 +115,7 @@ class ZeroEngine:
         self.param_gather = self.param_sync.gather
         self.param_sync.install(model)
         self.optimizer = optimizer
-        self.loss = make_loss_policy(plan, config)
+        self.loss = make_loss_policy(plan, config.precision)
         self.scaler = self.loss.scaler  # fp16 only (the checkpoint and opt.loss_scale read it)
         forward = ForwardHooks(
             self.comm, config.broadcast_buffers, self.param_sync.check, self.cast
@@ -238,7 +238,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale under fp16 (fp32, bf16: the loss is
-        checked too, ``ZeroConfig.nonfinite``; a device flag, no synchronisation)."""
+        checked too, ``ZeroConfig.precision.nonfinite``; a device flag, no synchronisation)."""
         self._scaled_backward = True
         self.loss.backward_loss(loss).backward()
 
@@ -265,8 +265,8 @@ class ZeroEngine:
         self._check_nonfinite()
 
     def _check_nonfinite(self) -> None:
-        """``ZeroConfig.nonfinite='raise'`` (fp32, bf16): every rank raises, at every step or
-        clip until ``zero_grad``."""
+        """``ZeroConfig.precision.nonfinite='raise'`` (fp32, bf16): every rank raises, at every
+        step or clip until ``zero_grad``."""
         self.loss.refuse(self._skip, self._flags, self.counters.steps + 1)
 
     def _inv_scale(self) -> float:
@@ -375,7 +375,7 @@ class ZeroEngine:
         return CheckpointState(
             comm=self.comm,
             stage=self.plan.stage,
-            precision=self.config.precision,
+            precision=self.config.precision.compute,
             config=self.config.to_dict(),
             segments=tuple(self.segments),
             frozen=tuple(self.frozen),
@@ -399,7 +399,7 @@ class ZeroEngine:
             rank=self.comm.rank,
             world_size=self.comm.world_size,
             stage=self.plan.stage,
-            precision=self.config.precision,
+            precision=self.config.precision.compute,
             num_params=self.num_trainable,
             padded_numel=sum(s.layout.padded_numel for s in self.segments),
             param_dtype=self.segments[0].dtype if self.segments else torch.float32,

@@ -33,7 +33,7 @@ class Plan:
     reduce_dtype: torch.dtype  # dtype gradients are summed in across ranks
     mixed: bool  # separate fp32 masters (see [Note: mixed precision] in optim/masters.py)
     loss_scaling: bool  # fp16: scale the loss, skip non-finite steps, adapt the scale
-    check_finite: bool  # check the step's gradients: fp16 (loss scaler), else ZeroConfig.nonfinite
+    check_finite: bool  # check the step's gradients: fp16 (loss scaler), else Precision.nonfinite
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.bucket_bytes // _element_size(dtype))
@@ -44,6 +44,7 @@ class Plan:
 
 
 def resolve(config: ZeroConfig) -> Plan:
+    precision = config.precision
     modes = {
         0: ReduceMode.ALL_REDUCE,
         1: ReduceMode.SCATTER_IN_PLACE,
@@ -58,11 +59,11 @@ def resolve(config: ZeroConfig) -> Plan:
         gather_params=config.stage >= 1,
         shard_params=config.stage == 3,
         bucket_bytes=config.bucket_bytes,
-        compute_dtype=DTYPES[config.precision],
-        reduce_dtype=DTYPES[config.reduce_dtype],
-        mixed=config.precision != "fp32",
-        loss_scaling=config.precision == "fp16",
-        check_finite=config.precision == "fp16" or config.nonfinite != "ignore",
+        compute_dtype=DTYPES[precision.compute],
+        reduce_dtype=DTYPES[precision.reduce],
+        mixed=precision.compute != "fp32",
+        loss_scaling=precision.compute == "fp16",
+        check_finite=precision.compute == "fp16" or precision.nonfinite != "ignore",
     )
 
 

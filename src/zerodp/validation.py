@@ -80,8 +80,11 @@ def agree(comm: Communicator, local: dict[str, Any], error: str) -> None:
 def _first_difference(a: Any, b: Any) -> str:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return f"{k}={a.get(k)!r} on rank 0 vs {b.get(k)!r}"
+            x, y = a.get(k), b.get(k)
+            if x != y and isinstance(x, dict) and isinstance(y, dict):  # a nested config policy
+                return f"{k}.{_first_difference(x, y)}"
+            if x != y:
+                return f"{k}={x!r} on rank 0 vs {y!r}"
     if isinstance(a, list) and isinstance(b, list):
         for x, y in zip(a, b, strict=False):
             if x != y:

@@ -3,8 +3,10 @@ crash safety and bad checkpoints (src/zerodp/checkpoint, docs/checkpoints.md).""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,15 +20,18 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zerodp
+from zerodp import Stage3
+from zerodp.apps.models.gpt import GPT, get_config
 from zerodp.checkpoint import (
     CheckpointError,
     consolidate_checkpoint,
+    faults,
     load_checkpoint,
     load_model_state_dict,
+    read_manifest,
     save_checkpoint,
 )
-from zerodp.checkpoint import faults
-from zerodp.apps.models.gpt import GPT, get_config
+from zerodp.checkpoint.integrity import CHECKSUMS, parse_checksums, sha256_file, write_checksums
 
 World = Callable[[int], WorldPool]
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 16, 8, 5, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks
@@ -73,17 +78,20 @@ def make_optimizer(model: Net) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-2)
 
 
-def build(stage: int, seed: int, precision: str = "fp32", **net: Any) -> tuple[nn.Module, Any]:
-    torch.manual_seed(seed)
-    model = Net(**net)
+def build_config(stage: int, precision: str = "fp32") -> zerodp.ZeroConfig:
     # Many buckets, so pieces cut parameters. Stage 3: every layer is a unit; the tied
     # embedding / head weight then lives in the root unit, `gate` (never optimized) stays
     # persistent and `frozen` replicated.
     units = ("Linear", "Embedding", "LayerNorm") if stage == 3 else ()
-    config = zerodp.ZeroConfig(
-        stage=stage, bucket_bytes=256, precision=precision, unit_classes=units
+    return zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=256, precision=precision, stage3=Stage3(unit_classes=units)
     )
-    return zerodp.initialize(model, make_optimizer(model), config)
+
+
+def build(stage: int, seed: int, precision: str = "fp32", **net: Any) -> tuple[nn.Module, Any]:
+    torch.manual_seed(seed)
+    model = Net(**net)
+    return zerodp.initialize(model, make_optimizer(model), build_config(stage, precision))
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,6 +362,65 @@ def test_reshard_matches_unsharded_reference(
     for r in results:
         assert r["refused"] == expected
     assert_close_to_reference(results[0]["params"])
+
+
+# --- a checkpoint saved by zerodp 0.1 (flat config) -----------------------------------------------
+
+# What 0.1's flat ZeroConfig.to_dict() held for build(2, ...)'s config.
+CONFIG_0_1 = {
+    "stage": 2,
+    "bucket_bytes": 256,
+    "broadcast_buffers": True,
+    "overlap_param_gather": True,
+    "precision": "fp32",
+    "reduce_dtype": "fp32",
+    "loss_scale": None,
+    "initial_scale": 65536.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1.0,
+    "unit_classes": [],
+    "unit_min_numel": 16384,
+    "leaf_unit_min_numel": 1048576,
+    "prefetch_depth": 1,
+    "persist_numel": 0,
+    "check_unit_order": True,
+    "watchdog_s": 300.0,
+    "nonfinite": "raise",
+    "step_without_backward": "warn",
+}
+
+
+def _as_saved_by_0_1(step: Path) -> None:
+    """Put 0.1's flat config in the manifest, and its new digest in the checksum file."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["config"] == json.loads(json.dumps(build_config(2).to_dict()))
+    manifest["config"] = CONFIG_0_1
+    (step / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    digests = parse_checksums((step / CHECKSUMS).read_bytes())
+    digests["manifest.json"] = sha256_file(step / "manifest.json")
+    write_checksums(step, digests)
+
+
+def _load_without_warnings(root: str) -> dict[str, torch.Tensor]:
+    rank, world = rank_world()
+    model, opt = build(2, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        load_checkpoint(root, model, opt)
+    train(model, opt, K, 2 * K, rank, world)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_checkpoint_of_0_1_with_a_flat_config_loads(world: World, tmp_path: Path) -> None:
+    world(2).run(_train_and_save, str(tmp_path), 2, timeout=60)
+    step = tmp_path / f"step-{K:08d}"
+    _as_saved_by_0_1(step)
+    results = world(2).run(_load_without_warnings, str(tmp_path), timeout=60)
+    assert_close_to_reference(results[0])
+    assert read_manifest(step).config == json.loads(json.dumps(build_config(2).to_dict()))
 
 
 # --- consolidation --------------------------------------------------------------------------------

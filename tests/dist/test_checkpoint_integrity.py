@@ -49,7 +49,8 @@ def _make(kind: str, seed: int) -> tuple[nn.Module, Any]:
         return build(2, seed=seed, dropout=0.1)
     model = build_hf("gpt2", seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
-    config = zerodp.ZeroConfig(stage=3, bucket_bytes=4096, unit_classes=("GPT2Block",))
+    units = zerodp.Stage3(unit_classes=("GPT2Block",))
+    config = zerodp.ZeroConfig(stage=3, bucket_bytes=4096, stage3=units)
     return zerodp.initialize(model, opt, config)
 
 

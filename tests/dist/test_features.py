@@ -33,7 +33,7 @@ TIMEOUT = 90.0
 def _cfg(stage: int) -> zerodp.ZeroConfig:
     # Stage 3: every layer is a unit (these models are too small for the default policy).
     units = ("Linear", "BatchNorm1d") if stage == 3 else ()
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units)
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, stage3=zerodp.Stage3(unit_classes=units))
 
 
 class BN(nn.Module):

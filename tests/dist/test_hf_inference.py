@@ -59,7 +59,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "t
 def _config(stage: int) -> zerodp.ZeroConfig:
     # Tiny models: every transformer layer its own unit, and a large-enough leaf under the root
     # (Llama's untied lm_head) an attached unit, as in a real model.
-    return zerodp.ZeroConfig(stage=stage, unit_min_numel=1, leaf_unit_min_numel=512)
+    stage3 = zerodp.Stage3(unit_min_numel=1, leaf_unit_min_numel=512)
+    return zerodp.ZeroConfig(stage=stage, stage3=stage3)
 
 
 def _init(factory: Callable[[], nn.Module], stage: int) -> tuple[nn.Module, nn.Module]:
@@ -178,7 +179,7 @@ class Scaled(nn.Module):
 
 def _stage_config(stage: int) -> zerodp.ZeroConfig:
     units = ("Linear",) if stage == 3 else ()
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units)
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, stage3=zerodp.Stage3(unit_classes=units))
 
 
 def _trained_pair(stage: int) -> tuple[nn.Module, zerodp.ZeroOptimizer, nn.Module]:

@@ -57,12 +57,15 @@ def _adamw(params: list) -> torch.optim.Optimizer:
 OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
 
 
-def config(name: str, stage: int, **kw: object) -> zerodp.ZeroConfig:
+def config(
+    name: str, stage: int, units: tuple[str, ...] | None = None, **kw: typing.Any
+) -> zerodp.ZeroConfig:
     # Small buckets cut parameters across buckets; stage 3 makes each layer its own unit (the
     # default policy would keep these tiny models in the root unit).
-    if stage == 3:
-        kw.setdefault("unit_classes", (MODELS[name].block,))
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=4096, **kw)  # type: ignore[arg-type]
+    if units is None:
+        units = (MODELS[name].block,) if stage == 3 else ()
+    stage3 = zerodp.Stage3(unit_classes=units)
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=4096, stage3=stage3, **kw)
 
 
 RMS_FLOOR = 0.01
@@ -127,7 +130,7 @@ def test_gradient_checkpointing(world, name: str, stage: int, reentrant: bool) -
 
 def test_parity_stage3_default_units(world) -> None:
     """The default unit policy (here: the root unit only) on a model zerodp did not write."""
-    errors = world(2).run(case_parity, "llama", 3, "adamw", unit_classes=(), timeout=TIMEOUT)
+    errors = world(2).run(case_parity, "llama", 3, "adamw", units=(), timeout=TIMEOUT)
     assert max(errors) <= TOLERANCE["adamw"]
 
 

@@ -138,7 +138,9 @@ def _gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def _cfg(stage: int, **kw: Any) -> zerodp.ZeroConfig:
     units = ("Linear",) if stage == 3 else ()  # a unit per Linear; the root holds the bias
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units, **kw)
+    return zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=96, stage3=zerodp.Stage3(unit_classes=units), **kw
+    )
 
 
 def _tp_pair(stage: int) -> Pair:

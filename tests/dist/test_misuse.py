@@ -1,7 +1,8 @@
 """Misuse that must never be silently wrong (issue 13), world size 2, gloo, against unsharded
 training or against the correct use, with exact messages and counts:
 
-1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.nonfinite``, default "raise");
+1. a non-finite loss or gradient in fp32 / bf16 (``ZeroConfig.precision.nonfinite``, default
+   "raise");
 2. ``opt.step()`` with no backward since the last step (``ZeroConfig.step_without_backward``,
    default "warn");
 3. ``model.zero_grad()`` (and ``p.grad = None`` loops) instead of ``opt.zero_grad()``;
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +41,7 @@ from zerotest import (
 )
 
 import zerodp
+from zerodp import Precision, Stage3
 from zerodp.apps.models.gpt import GPT, get_config
 
 STAGES = [0, 1, 2, 3]
@@ -51,12 +54,19 @@ GPT_CONFIG = get_config("tiny", vocab_size=64, seq_len=16, n_layer=2, n_head=2, 
 UNITS = {"mlp": ("Linear",), "branchy": ("Branchy",), "gpt": ("Block",), "gpt2": ("GPT2Block",)}
 
 
-def _cfg(model_name: str, stage: int, **kw: object) -> zerodp.ZeroConfig:
+def _cfg(
+    model_name: str, stage: int, precision: str = "fp32", nonfinite: str = "raise", **kw: Any
+) -> zerodp.ZeroConfig:
     # Small buckets cut parameters across buckets; stage 3: a unit per layer.
-    if stage == 3:
-        kw.setdefault("unit_classes", UNITS[model_name])
+    units = Stage3(unit_classes=UNITS[model_name] if stage == 3 else ())
     bucket = 96 if model_name in ("mlp", "branchy") else 4096
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket, **kw)  # type: ignore[arg-type]
+    return zerodp.ZeroConfig(
+        stage=stage,
+        bucket_bytes=bucket,
+        precision=Precision(compute=precision, nonfinite=nonfinite),
+        stage3=units,
+        **kw,
+    )
 
 
 def _factory(model_name: str) -> Callable[[], nn.Module]:
@@ -141,9 +151,10 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
 BAD = 2  # the step at which rank 1's loss is infinite
 RAISE_MSG = (
     "zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
-    "(ZeroConfig.nonfinite='raise'). The run diverged or a batch is bad: lower the learning "
-    "rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or set "
-    "ZeroConfig(nonfinite='skip') to skip such steps on every rank"
+    "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
+    "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
+    "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
+    "rank"
 )
 SKIP_MSG = "zerodp: step {step} skipped ({reason} on at least one rank); {n} skipped so far"
 
@@ -263,7 +274,7 @@ def case_nonfinite_raise(stage: int, model_name: str) -> dict:
 @pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_nonfinite_raises_by_default(world, stage, model_name):
-    assert zerodp.ZeroConfig().nonfinite == "raise"
+    assert zerodp.ZeroConfig().precision.nonfinite == "raise"
     want = RAISE_MSG.format(step=2, what="gradients")
     for out in world(2).run(case_nonfinite_raise, stage, model_name, timeout=TIMEOUT):
         # The raising call is not a step: the next step is step 2 again.

@@ -51,7 +51,13 @@ STATE_TOL = 1e-5
 
 def _cfg(stage: int, units: tuple[str, ...] = ("Linear",)) -> zerodp.ZeroConfig:
     # Small buckets cut parameters across buckets; stage 3: every listed layer is its own unit.
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units if stage == 3 else ())
+    stage3 = zerodp.Stage3(unit_classes=units if stage == 3 else ())
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, stage3=stage3)
+
+
+def _gpt2_blocks(stage: int) -> zerodp.Stage3:
+    """Stage 3: each Hugging Face GPT-2 block a unit."""
+    return zerodp.Stage3(unit_classes=("GPT2Block",) if stage == 3 else ())
 
 
 # -- 1. zero_grad(set_to_none=False) and a parameter unused in a step ---------------------------
@@ -223,9 +229,7 @@ def case_state_dict_group_order(stage: int) -> int:
 
 
 def case_state_dict_group_order_hf(stage: int) -> int:
-    cfg = zerodp.ZeroConfig(
-        stage=stage, bucket_bytes=4096, unit_classes=("GPT2Block",) if stage == 3 else ()
-    )
+    cfg = zerodp.ZeroConfig(stage=stage, bucket_bytes=4096, stage3=_gpt2_blocks(stage))
     return _state_dict_after_training(
         lambda: build_hf("gpt2"),
         _hf_groups_out_of_order,
@@ -485,9 +489,7 @@ def case_progressive_unfreezing_gpt2(stage: int) -> float:
     from test_hf_models import max_error
 
     rank, world = rank_world()
-    cfg = zerodp.ZeroConfig(
-        stage=stage, bucket_bytes=4096, unit_classes=("GPT2Block",) if stage == 3 else ()
-    )
+    cfg = zerodp.ZeroConfig(stage=stage, bucket_bytes=4096, stage3=_gpt2_blocks(stage))
     pair = make_pair(_gpt2_frozen_base, HF_OPTIMIZERS["adamw"], cfg)
     worst = 0.0
     for step in range(4):
@@ -527,7 +529,7 @@ def case_adopted_equals_trainable_from_start(stage: int, precision: str) -> floa
         stage=stage,
         precision=precision,
         bucket_bytes=96,
-        unit_classes=("Linear",) if stage == 3 else (),
+        stage3=zerodp.Stage3(unit_classes=("Linear",) if stage == 3 else ()),
     )
     runs = []
     for adopt in (True, False):

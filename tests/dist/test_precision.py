@@ -25,14 +25,17 @@ from torch import nn
 from zerotest import MLP, batches, build, full, mse, rank_world
 
 import zerodp
+from zerodp import LossScaling, Precision, Stage3
 
 TIMEOUT = 120.0
 
 
-def _cfg(stage: int, precision: str, **kw) -> zerodp.ZeroConfig:
-    if stage == 3:  # each Linear its own unit (the default policy makes MLP one root unit)
-        kw.setdefault("unit_classes", ("Linear",))
-    return zerodp.ZeroConfig(stage=stage, precision=precision, bucket_bytes=64, **kw)
+def _cfg(stage: int, compute: str, nonfinite: str = "raise", **scaling) -> zerodp.ZeroConfig:
+    """``scaling``: fields of ``LossScaling``."""
+    precision = Precision(compute=compute, nonfinite=nonfinite, loss_scaling=LossScaling(**scaling))
+    # Stage 3: each Linear its own unit (the default policy makes MLP one root unit).
+    units = Stage3(unit_classes=("Linear",) if stage == 3 else ())
+    return zerodp.ZeroConfig(stage=stage, precision=precision, bucket_bytes=64, stage3=units)
 
 
 def case_emulation(stage: int, precision: str) -> float:
@@ -74,7 +77,7 @@ def case_loss_scale_sequence(stage: int) -> list[tuple]:
     rank, world = rank_world()
     poison = {1: {0, 1}, 2: {1}, 5: {1}, 6: {0}}
     model = build(MLP)
-    cfg = _cfg(stage, "fp16", initial_scale=1024.0, growth_interval=3, hysteresis=2)
+    cfg = _cfg(stage, "fp16", initial=1024.0, growth_interval=3, hysteresis=2)
     emu = Emulation(model, "fp16", stage, world, scale=1024.0)
     model, opt = zerodp.initialize(model, _opt(model.parameters()), cfg)
     seen = []
@@ -129,7 +132,7 @@ def test_fp16_loss_scale_sequence(world, stage):
 def case_min_scale(_: int) -> str:
     rank, world = rank_world()
     model = build(MLP)
-    cfg = _cfg(2, "fp16", initial_scale=2.0, hysteresis=1, min_loss_scale=1.0)
+    cfg = _cfg(2, "fp16", initial=2.0, hysteresis=1, min_scale=1.0)
     model, opt = zerodp.initialize(model, _opt(model.parameters()), cfg)
     x, y = batches(0, world, 2, [(7,), (5,)])[rank]
     for _ in range(3):

@@ -47,7 +47,7 @@ class Normed(nn.Module):
 
 def _cfg(stage: int) -> zerodp.ZeroConfig:
     units = ("Linear",) if stage == 3 else ()
-    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, unit_classes=units)
+    return zerodp.ZeroConfig(stage=stage, bucket_bytes=96, stage3=zerodp.Stage3(unit_classes=units))
 
 
 def case_rank0_broadcast(stage: int) -> float:

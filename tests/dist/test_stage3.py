@@ -25,14 +25,16 @@ from zerotest import (
 )
 
 import zerodp
+from zerodp import Stage3
 
 TIMEOUT = 90.0
 HIDDENS = (12, 20, 16, 9)
 
 
-def _cfg(**kw) -> zerodp.ZeroConfig:
-    kw.setdefault("unit_min_numel", 1)  # every block of the tiny Stack is a unit
-    return zerodp.ZeroConfig(stage=3, **kw)
+def _cfg(precision: str = "fp32", **stage3) -> zerodp.ZeroConfig:
+    """``stage3``: fields of ``Stage3``."""
+    stage3.setdefault("unit_min_numel", 1)  # every block of the tiny Stack is a unit
+    return zerodp.ZeroConfig(stage=3, precision=precision, stage3=Stage3(**stage3))
 
 
 def _mse(data, **fwd):
@@ -233,7 +235,8 @@ def _gpt_attached(tied: bool, width: int, bucket_bytes: int, steps: int) -> dict
     torch.manual_seed(0)
     model = GPT(gcfg)
     ref_opt = sgd_momentum(list(ref.parameters()))  # SGD: see case_gpt_traffic
-    cfg = zerodp.ZeroConfig(stage=3, leaf_unit_min_numel=256 * width, bucket_bytes=bucket_bytes)
+    units = Stage3(leaf_unit_min_numel=256 * width)
+    cfg = zerodp.ZeroConfig(stage=3, stage3=units, bucket_bytes=bucket_bytes)
     model, opt = zerodp.initialize(model, sgd_momentum(list(model.parameters())), cfg)
 
     def loss_of(m: nn.Module, t: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ CASES = {
 def case_structures() -> dict[str, float]:
     out = {}
     for name, (factory, units, loss) in CASES.items():
-        cfg = zerodp.ZeroConfig(stage=3, unit_classes=units)
+        cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_classes=units))
         pair = make_pair(factory, adamw_two_groups, cfg)
         out[name] = _train(pair, loss, 3)
         sharded = pair.opt.engine.params
@@ -130,7 +130,7 @@ def test_structures_match_reference(world, world_size):
 def case_read_released() -> list[str]:
     """A parameter of a unit (not the root) read outside its unit: a clear error, on every rank
     at the same point (so no rank is left waiting)."""
-    cfg = zerodp.ZeroConfig(stage=3, unit_classes=("Block", "Linear"))
+    cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_classes=("Block", "Linear")))
     pair = make_pair(Features, sgd_momentum, cfg)
     messages = []
     try:
@@ -170,7 +170,8 @@ def _stack_loss(m: nn.Module, r: int, step: int) -> torch.Tensor:
 
 def case_full_parameters() -> dict:
     rank, _ = rank_world()
-    pair = make_pair(Stack, adamw_two_groups, zerodp.ZeroConfig(stage=3, unit_min_numel=1))
+    cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_min_numel=1))
+    pair = make_pair(Stack, adamw_two_groups, cfg)
     _train(pair, _stack_loss, 2)
     model, ref = pair.model, pair.ref
     # Weight surgery on rank 0 only, written back from rank 0 to every rank's shard.
@@ -224,7 +225,7 @@ def case_mixed_writeback() -> dict:
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = zerodp.ZeroConfig(stage=3, unit_min_numel=1, precision="bf16")
+    cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_min_numel=1), precision="bf16")
     model, opt = zerodp.initialize(model, opt, cfg)
     masters = [op.tensor.detach().clone() for op in opt.engine.pieces]
     with zerodp.full_parameters(model, rank=1):
@@ -340,7 +341,8 @@ def _sharded_gpt(tied: bool, leaf_min: int) -> tuple[nn.Module, torch.optim.Opti
     with zerodp.sharded_init():
         model = GPT(get_config("tiny", tie_embeddings=tied))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=3, leaf_unit_min_numel=leaf_min))
+    stage3 = zerodp.Stage3(leaf_unit_min_numel=leaf_min)
+    return zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=3, stage3=stage3))
 
 
 def case_sharded_construction_attached(tied: bool) -> list[str]:

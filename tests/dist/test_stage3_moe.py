@@ -101,7 +101,8 @@ def _moe_steps(pair, world: int, rank: int, steps: int, skip_at: int | None) -> 
 
 def case_moe(depth: int, skip_at: int | None) -> dict:
     rank, world = rank_world()
-    cfg = zerodp.ZeroConfig(stage=3, unit_min_numel=1, prefetch_depth=depth)
+    stage3 = zerodp.Stage3(unit_min_numel=1, prefetch_depth=depth)
+    cfg = zerodp.ZeroConfig(stage=3, stage3=stage3)
     pair = make_pair(MoE, adamw_two_groups, cfg)
     worst = _moe_steps(pair, world, rank, 4, skip_at)
     report = pair.opt.memory_report()
@@ -134,7 +135,7 @@ def test_moe_three_ranks(world):
 def case_branch_on_rank_zero() -> float:
     """``sometimes`` (a unit) runs on rank 0 only; ``never`` on no rank."""
     rank, world = rank_world()
-    cfg = zerodp.ZeroConfig(stage=3, unit_classes=("Linear",))
+    cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_classes=("Linear",)))
     pair = make_pair(Branchy, adamw_two_groups, cfg)
     worst = 0.0
     for step in range(3):
@@ -163,7 +164,7 @@ def case_switch(steps: int) -> dict:
     transformers.logging.set_verbosity_error()
     rank, world = rank_world()
     # unit_min_numel 512: every block, every layer of a block and every expert is a unit.
-    cfg = zerodp.ZeroConfig(stage=3, unit_min_numel=512)
+    cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_min_numel=512))
     pair = make_pair(lambda: switch_transformers(EXPERTS), adamw_two_groups, cfg)
     g = torch.Generator().manual_seed(3)
     worst = 0.0

@@ -26,7 +26,7 @@ from zerotest import rank_world
 import zerodp
 
 TIMEOUT = 120.0
-CONFIG = {"stage": 3, "unit_min_numel": 1, "persist_numel": 0}  # every parameter sharded
+CONFIG = {"stage": 3, "stage3": {"unit_min_numel": 1, "persist_numel": 0}}  # all sharded
 
 
 class Small(nn.Module):
@@ -199,7 +199,7 @@ def case_reads(model_key: str) -> dict[str, dict[str, tuple[str, str]]]:
     torch.manual_seed(0)
     model = factory()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = zerodp.initialize(model, opt, zerodp.ZeroConfig(**CONFIG))
+    model, opt = zerodp.initialize(model, opt, zerodp.ZeroConfig.from_dict(CONFIG))
     outside = _rows_on(model, ref, name, scalar)
     with zerodp.full_parameters(model, writeback=False):
         inside = _rows_on(model, ref, name, scalar)
@@ -228,8 +228,8 @@ def _refusal(name: str, unit: str, what: str) -> str:
         "released (each rank holds only a shard). Read parameters only inside the forward of "
         "their unit's module, in the loss only if they belong to the root unit (or a unit "
         "attached to it), or inside `with zerodp.full_parameters(model):`; to keep a parameter "
-        "available, make it part of an enclosing unit (ZeroConfig.unit_classes / unit_policy) "
-        "or persistent (ZeroConfig.persist_numel)"
+        "available, make it part of an enclosing unit (ZeroConfig.stage3.unit_classes / "
+        "unit_policy) or persistent (ZeroConfig.stage3.persist_numel)"
     )
 
 

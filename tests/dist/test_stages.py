@@ -41,7 +41,8 @@ def _cfg(stage: int, bucket_bytes: int = 96, units: tuple[str, ...] = UNITS) -> 
     # Stage 3: every Linear / Embedding is a unit (the default policy would make these small
     # models one root unit), so parameters are gathered and reduced per layer.
     if stage == 3:
-        return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket_bytes, unit_classes=units)
+        stage3 = zerodp.Stage3(unit_classes=units)
+        return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket_bytes, stage3=stage3)
     return zerodp.ZeroConfig(stage=stage, bucket_bytes=bucket_bytes)
 
 

@@ -27,12 +27,20 @@ ADAM_TOL = 1e-5  # fp32 relative parity, Adam/AdamW (tests/dist/test_hf_models.p
 STAGES = (0, 1, 2, 3)
 
 
-def cfg(stage: int, units: tuple[str, ...] = (), **kw: Any) -> zerodp.ZeroConfig:
-    """Small buckets (parameters cut across buckets); stage 3: ``units`` are the units."""
-    kw.setdefault("bucket_bytes", 128)
+def cfg(
+    stage: int,
+    units: tuple[str, ...] = (),
+    precision: str | zerodp.Precision = "fp32",
+    bucket_bytes: int = 128,
+    **stage3: Any,
+) -> zerodp.ZeroConfig:
+    """Small buckets (parameters cut across buckets); stage 3: ``units`` are the units, and
+    ``stage3`` other fields of ``Stage3``."""
     if stage == 3 and units:
-        kw["unit_classes"] = units
-    return zerodp.ZeroConfig(stage=stage, **kw)
+        stage3["unit_classes"] = units
+    return zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=bucket_bytes, precision=precision, stage3=zerodp.Stage3(**stage3)
+    )
 
 
 def pair(

@@ -31,9 +31,18 @@ def adamw(params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def cfg(stage: int, units: tuple[str, ...] = (), **kw) -> zerodp.ZeroConfig:
-    kw.setdefault("bucket_bytes", 96)  # small buckets: parameters cut across buckets
-    return zerodp.ZeroConfig(stage=stage, unit_classes=units if stage == 3 else (), **kw)
+def cfg(
+    stage: int,
+    units: tuple[str, ...] = (),
+    precision: str | zerodp.Precision = "fp32",
+    bucket_bytes: int = 96,  # small buckets: parameters cut across buckets
+    **stage3,
+) -> zerodp.ZeroConfig:
+    """``stage3``: fields of ``Stage3`` besides the units (used at stage 3 only)."""
+    stage3["unit_classes"] = units if stage == 3 else ()
+    return zerodp.ZeroConfig(
+        stage=stage, bucket_bytes=bucket_bytes, precision=precision, stage3=zerodp.Stage3(**stage3)
+    )
 
 
 def labelled(step: int, world: int, per: int, d: int) -> list:
@@ -243,7 +252,7 @@ def case_step_count(stage: int, precision: str) -> list:
     where such a step is skipped; zerodp skips it with ``nonfinite='skip'``, the default raises);
     fp32 gets only finite gradients."""
     rank, world = rank_world()
-    config = cfg(stage, ("Linear",), precision=precision, nonfinite="skip")
+    config = cfg(stage, ("Linear",), zerodp.Precision(compute=precision, nonfinite="skip"))
     pair = make_pair(lambda: Layers(n=12, d=4, out=4), torch.optim.Adam, config)
     bad = 2 if precision == "bf16" else -1
     seen = []

@@ -315,7 +315,7 @@ def case_bf16_fp32_reduce(stage: int) -> list[float]:
     with lr 1 moves the fp32 master from 1 to exactly -0.00390625."""
     rank, _ = rank_world()
     model = Scale()
-    config = cfg(stage, precision="bf16", reduce_dtype="fp32")
+    config = cfg(stage, precision=zerodp.Precision(compute="bf16", reduce="fp32"))
     model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     x = torch.full((4,), 1.0 if rank == 0 else 1.0078125, dtype=torch.bfloat16)
     model(x).backward()
@@ -361,20 +361,28 @@ def test_hf_gpt2_frozen_position_embedding(world, stage):
 
 
 BAD_VALUES = [
-    ("bucket_bytes", 0, "must be a positive integer; got 0"),
-    ("stage", 4, "must be one of 0, 1, 2, 3; got 4"),
-    ("prefetch_depth", -1, "must be a non-negative integer; got -1"),
-    ("persist_numel", 1.5, "must be a non-negative integer; got 1.5"),
-    ("precision", "fp8", "must be one of 'fp32', 'bf16', 'fp16'; got 'fp8'"),
-    ("overlap_param_gather", 1, "must be True or False; got 1"),
+    ({"bucket_bytes": 0}, "bucket_bytes", "must be a positive integer; got 0"),
+    ({"stage": 4}, "stage", "must be one of 0, 1, 2, 3; got 4"),
+    (
+        {"stage3": {"prefetch_depth": -1}},
+        "stage3.prefetch_depth",
+        "must be a non-negative integer; got -1",
+    ),
+    (
+        {"stage3": {"persist_numel": 1.5}},
+        "stage3.persist_numel",
+        "must be a non-negative integer; got 1.5",
+    ),
+    ({"precision": "fp8"}, "precision.compute", "must be one of 'fp32', 'bf16', 'fp16'; got 'fp8'"),
+    ({"overlap_param_gather": 1}, "overlap_param_gather", "must be True or False; got 1"),
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "message"), BAD_VALUES)
-def test_config_invalid_value_names_the_field(field, value, message):
+@pytest.mark.parametrize(("values", "field", "message"), BAD_VALUES)
+def test_config_invalid_value_names_the_field(values, field, message):
     """``test_zero_config_reduce_bucket_size`` (0 refused) and other invalid values."""
     with pytest.raises(ValueError) as info:
-        zerodp.ZeroConfig(**{field: value})
+        zerodp.ZeroConfig.from_dict(values)
     assert str(info.value) == f"ZeroConfig.{field} {message}"
 
 

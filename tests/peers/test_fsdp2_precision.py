@@ -120,12 +120,16 @@ def _check_reduce_bytes(opt, reduce: str) -> None:
         assert stats.bytes.get(kind, 0) == n * size, f"{kind}: {stats.bytes} for {n} elements"
 
 
-def _run(factory, precision, reduce, stage, units, losses_for_step, steps=3, micro=1, **kw):
+def _run(
+    factory, precision, reduce, stage, units, losses_for_step, steps=3, micro=1, initial=2.0**16
+):
     rank, world = rank_world()
     model = build(factory)
-    scale = kw.get("initial_scale", 2.0**16) if precision == "fp16" else 1.0
+    scale = initial if precision == "fp16" else 1.0
     emu = Emulation(model, precision, reduce, world, scale)
-    config = cfg(stage, units, precision=precision, reduce_dtype=reduce, **kw)
+    scaling = zerodp.LossScaling(initial=initial)
+    policy = zerodp.Precision(compute=precision, reduce=reduce, loss_scaling=scaling)
+    config = cfg(stage, units, precision=policy)
     model, opt = zerodp.initialize(model, _adamw(model.parameters()), config)
     for step in range(steps):
         losses = [losses_for_step(10 * step + k) for k in range(micro)]
@@ -177,7 +181,7 @@ def case_reduce_dtype(cases: list[tuple[str, str]]) -> list:
     for precision, reduce in cases:
         for stage in STAGES:
             _run(lambda: mlp_stack(16), precision, reduce, stage, ("MLPBlock",), _mse(16, 16),
-                 steps=2, initial_scale=1024.0)  # fmt: skip
+                 steps=2, initial=1024.0)  # fmt: skip
     return cases
 
 
@@ -253,7 +257,7 @@ def case_norm_modules() -> dict:
         for stage in STAGES:
             model, _ = _run(Norms, precision, "fp32", stage, ("Linear", "Conv2d"),
                             lambda s: _images(s, world), steps=2,
-                            initial_scale=1024.0)  # fmt: skip
+                            initial=1024.0)  # fmt: skip
             y = model(torch.randn(3, 1, 6, 6))
             assert y.dtype == DTYPES[precision], f"output is {y.dtype}"
             got = {n: str(t.dtype) for n, t in [*model.named_parameters(),
@@ -365,7 +369,9 @@ def case_grad_scaler(has_inf: bool) -> list:
     for stage in STAGES:
         model = build(Poisonable)
         emu = Emulation(model, "fp16", "fp32", world, 1024.0)
-        config = cfg(stage, ("MLPBlock",), precision="fp16", initial_scale=1024.0, hysteresis=1)
+        scaling = zerodp.LossScaling(initial=1024.0, hysteresis=1)
+        policy = zerodp.Precision(compute="fp16", loss_scaling=scaling)
+        config = cfg(stage, ("MLPBlock",), precision=policy)
         model, opt = zerodp.initialize(model, _adamw(model.parameters()), config)
         model._rank = rank
         for step in range(4):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from zerodp import ZeroConfig
 from zerodp.checkpoint import directory as fs
 from zerodp.checkpoint.checks import check_manifest, compare_structure
 from zerodp.checkpoint.integrity import (
@@ -89,6 +92,25 @@ def test_manifest_json_round_trip(tmp_path: Path) -> None:
     back = read_manifest(tmp_path)
     assert back == m
     assert decode(back.optimizer["param_groups"][0]) == {"lr": 0.1, "betas": (0.9, 0.99)}
+
+
+def test_manifest_of_0_1_reads_its_flat_config_as_nested(tmp_path: Path) -> None:
+    """zerodp 0.1 saved a flat ``ZeroConfig.to_dict()``; it reads as the nested form, with no
+    DeprecationWarning (nobody can act on it), and stays unvalidated (a record of the run)."""
+    flat = {"stage": 1, "precision": "bf16", "reduce_dtype": "fp32", "prefetch_depth": 1}
+    m = dataclasses.replace(manifest([[piece("w", 0, 10)]]), config=flat)
+    (tmp_path / "manifest.json").write_text(m.to_json())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = read_manifest(tmp_path)
+    assert back.config == {
+        "stage": 1,
+        "precision": {"compute": "bf16", "reduce": "fp32"},
+        "stage3": {"prefetch_depth": 1},
+    }
+    assert ZeroConfig.from_dict(back.config) == ZeroConfig(stage=1, precision="bf16")
+    nested = dataclasses.replace(m, config=ZeroConfig(stage=3).to_dict())
+    assert Manifest.from_json(nested.to_json()).config == json.loads(json.dumps(nested.config))
 
 
 def test_read_manifest_errors(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerodp import ZeroConfig
+from zerodp import Stage3, ZeroConfig
 from zerodp.apps.models.gpt import GPT, get_config
 from zerodp.params.policy import plan_units
 from zerodp.params.prefetch import PassOrder
@@ -106,9 +106,10 @@ def test_a_tied_leaf_weight_stays_in_the_root():
 
 
 def test_config_default_attaches_leaves_of_a_million_elements():
-    assert ZeroConfig().leaf_unit_min_numel == 2**20
-    with pytest.raises(ValueError, match=r"ZeroConfig\.leaf_unit_min_numel must be a non-neg"):
-        ZeroConfig(stage=3, leaf_unit_min_numel=-1)
+    assert ZeroConfig().stage3.leaf_unit_min_numel == 2**20
+    match = r"ZeroConfig\.stage3\.leaf_unit_min_numel must be a non-neg"
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(stage=3, stage3=Stage3(leaf_unit_min_numel=-1))
 
 
 def test_reduce_chunks_partition_each_bucket_into_bounded_runs():
@@ -149,20 +150,20 @@ def test_pass_order_follows_repeats_and_uses_a_guess():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"unit_classes": "Block"}, "ZeroConfig.unit_classes must be a tuple of module class"),
-        ({"unit_classes": ("",)}, "ZeroConfig.unit_classes must be a tuple of module class"),
-        ({"prefetch_depth": -1}, "ZeroConfig.prefetch_depth must be a non-negative integer"),
-        ({"persist_numel": 1.5}, "ZeroConfig.persist_numel must be a non-negative integer"),
-        ({"check_unit_order": 1}, "ZeroConfig.check_unit_order must be True or False"),
+        ({"unit_classes": "Block"}, "ZeroConfig.stage3.unit_classes must be a tuple of module "),
+        ({"unit_classes": ("",)}, "ZeroConfig.stage3.unit_classes must be a tuple of module "),
+        ({"prefetch_depth": -1}, "ZeroConfig.stage3.prefetch_depth must be a non-negative int"),
+        ({"persist_numel": 1.5}, "ZeroConfig.stage3.persist_numel must be a non-negative int"),
+        ({"check_unit_order": 1}, "ZeroConfig.stage3.check_unit_order must be True or False"),
     ],
 )
 def test_invalid_stage3_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ZeroConfig(stage=3, **kwargs)
+        ZeroConfig(stage=3, stage3=Stage3(**kwargs))
 
 
 def test_unit_classes_round_trip_through_json(tmp_path):
-    cfg = ZeroConfig(stage=3, unit_classes=("Block",), prefetch_depth=2)
+    cfg = ZeroConfig(stage=3, stage3=Stage3(unit_classes=("Block",), prefetch_depth=2))
     path = tmp_path / "zero.json"
     path.write_text(json.dumps(cfg.to_dict()))
     assert ZeroConfig.from_json(path) == cfg

@@ -15,11 +15,11 @@ Scripts under ``benchmarks/`` and the tests may use internals: they measure and 
 """
 
 PUBLIC_API = (
-    "zerodp",  # initialize, ZeroConfig, ZeroModule, ZeroOptimizer, checkpoints, reports
+    "zerodp",  # initialize, ZeroConfig + policies, ZeroModule, ZeroOptimizer, checkpoints, reports
     "zerodp.checkpoint",  # save, load, consolidate, read_manifest, resolve_checkpoint
     "zerodp.comm",  # joining and leaving the process group, Communicator, CommStats
     "zerodp.comm.launch",  # starting local ranks with torch's elastic launcher, @record
-    "zerodp.config",  # ZeroConfig and the choices of its fields (STAGES, PRECISIONS, ...)
+    "zerodp.config",  # ZeroConfig, its policies, the choices of their fields (STAGES, ...)
     "zerodp.memory",  # the theoretical per-rank memory estimator (pure math)
 )
 """The library modules the applications may import from (only the names in their ``__all__``)."""

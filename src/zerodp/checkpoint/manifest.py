@@ -18,7 +18,9 @@ world size or stage is range intersection (``plan_reads``), whatever layout wrot
 Checks of a manifest against itself and the model are in ``checks.py``; the checksums, and
 why a manifest is parsed only after they match, in [Note: checkpoint checksums]
 (``integrity.py``). ``checksums`` (the checksum file's name) was added to the manifest without a
-format bump: a manifest without it is from before, and older readers ignore it.
+format bump: a manifest without it is from before, and older readers ignore it. ``config`` is
+``ZeroConfig.to_dict()``, a record of the saving run that loading does not use: zerodp 0.1 wrote
+it flat, ``from_json`` gives it in the nested form whichever wrote it ([Note: flat names]).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from zerodp.config import ZeroConfig
+from zerodp.config.legacy import nest_saved_config
 from zerodp.partition.layout import Range
 
 FORMAT = "zerodp.checkpoint.v1"
@@ -219,7 +223,7 @@ class Manifest:
             world_size=d["world_size"],
             stage=d["stage"],
             precision=d["precision"],
-            config=d["config"],
+            config=_nested_config(d["config"]),
             optimizer=d["optimizer"],
             scaler=d["scaler"],
             params=tuple(_param_record(p) for p in d["params"]),
@@ -240,6 +244,10 @@ class Manifest:
     @cached_property
     def _params_by_name(self) -> dict[str, ParamRecord]:
         return {p.name: p for p in self.params}
+
+
+def _nested_config(saved: Any) -> Any:
+    return nest_saved_config(ZeroConfig, saved) if isinstance(saved, dict) else saved
 
 
 def _record_json(rec: ParamRecord | BufferRecord) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class MemoryReport:
     precision: str
     theory: ModelStateBytes | None  # None if the optimizer's K is not known
     # Stage 3 (0 otherwise). ``parameters`` is then this rank's shards plus the persistent ones.
-    persistent_parameters: int = 0  # replicated small parameters (ZeroConfig.persist_numel)
+    persistent_parameters: int = 0  # replicated small parameters (ZeroConfig.stage3.persist_numel)
     gathered_now: int = 0  # bytes of gathered (unsharded) unit parameters alive now
     gathered_peak: int = 0  # their peak since initialize (or engine.params.gatherer.reset_peak())
     gathered_bound: int = 0  # what the schedule guarantees gathered_peak stays below

@@ -11,10 +11,10 @@ non-finite gradients, non-finite loss, backward]``:
   gradients]). A parameter without a gradient gets no weight decay, momentum or step count;
 - a step is skipped on every rank if any rank saw a non-finite gradient (fp16; fp32 and bf16:
   or a non-finite loss given to ``opt.backward``), or every rank raises, as
-  ``ZeroConfig.nonfinite`` says. Each rank checks the *reduced* gradient it owns (stages 1-3:
-  its shard; stage 0: its 1/N of every bucket): a non-finite element of any rank's local
-  gradient makes the reduced element non-finite (NaN and inf survive a sum), and the reduced
-  gradient is what the optimizer steps, so together the ranks check every element once;
+  ``ZeroConfig.precision.nonfinite`` says. Each rank checks the *reduced* gradient it owns
+  (stages 1-3: its shard; stage 0: its 1/N of every bucket): a non-finite element of any rank's
+  local gradient makes the reduced element non-finite (NaN and inf survive a sum), and the
+  reduced gradient is what the optimizer steps, so together the ranks check every element once;
 - ``backward`` is 1 if some rank produced a gradient since the last step: a step with 0 is a
   step without backward (``ZeroConfig.step_without_backward``). A rank whose parameters got no
   gradient (all unused there) does not make it 0 while another rank's did;

@@ -4,7 +4,7 @@ once from the plan, so that the engine's backward and step have no precision bra
 - ``ScaledLoss`` (fp16): the loss is multiplied by the dynamic loss scale; a step with
   non-finite gradients is skipped and the scale lowered (``optim/loss_scaler.py``);
   ``loss.backward()`` instead of ``opt.backward(loss)`` is refused.
-- ``CheckedLoss`` (fp32, bf16): the loss is only checked (``ZeroConfig.nonfinite``: "raise",
+- ``CheckedLoss`` (fp32, bf16): the loss is only checked (``Precision.nonfinite``: "raise",
   "skip" or "ignore"; [Note: step agreement] in optim/agreement.py).
 """
 
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from zerodp.config import ZeroConfig
+from zerodp.config import LossScaling, Precision
 from zerodp.optim import misuse
 from zerodp.optim.agreement import StepFlags
 from zerodp.optim.loss_scaler import DynamicLossScaler
@@ -53,8 +53,8 @@ class LossPolicy(Protocol):
 class ScaledLoss:
     """fp16 (see the module docstring)."""
 
-    def __init__(self, config: ZeroConfig) -> None:
-        self.scaler = DynamicLossScaler.from_config(config)
+    def __init__(self, policy: LossScaling) -> None:
+        self.scaler = DynamicLossScaler.from_policy(policy)
 
     @property
     def scale(self) -> float | None:
@@ -92,9 +92,9 @@ class CheckedLoss:
     scaler = None
     scale = None
 
-    def __init__(self, plan: Plan, config: ZeroConfig) -> None:
+    def __init__(self, plan: Plan, precision: Precision) -> None:
         self._check = plan.check_finite
-        self._raise = config.nonfinite == "raise"
+        self._raise = precision.nonfinite == "raise"
         self._losses = misuse.LossCheck()
 
     def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -122,5 +122,5 @@ class CheckedLoss:
         self._losses.reset()
 
 
-def make_loss_policy(plan: Plan, config: ZeroConfig) -> LossPolicy:
-    return ScaledLoss(config) if plan.loss_scaling else CheckedLoss(plan, config)
+def make_loss_policy(plan: Plan, precision: Precision) -> LossPolicy:
+    return ScaledLoss(precision.loss_scaling) if plan.loss_scaling else CheckedLoss(plan, precision)

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config import ZeroConfig
+from zerodp.config import LossScaling
 
 log = logging.getLogger("zerodp")
 
@@ -57,19 +57,16 @@ class DynamicLossScaler:
         self._good_steps = 0
 
     @classmethod
-    def from_config(cls, config: ZeroConfig) -> DynamicLossScaler:
-        """The scaler ``config`` asks for: fixed at ``loss_scale`` when set, else dynamic."""
-        fixed = config.loss_scale is not None
+    def from_policy(cls, policy: LossScaling) -> DynamicLossScaler:
+        """The scaler ``policy`` asks for: fixed at ``policy.fixed`` when set, else dynamic."""
         return cls(
-            initial_scale=config.loss_scale
-            if config.loss_scale is not None
-            else config.initial_scale,
-            growth_factor=config.growth_factor,
-            backoff_factor=config.backoff_factor,
-            growth_interval=config.growth_interval,
-            hysteresis=config.hysteresis,
-            min_scale=config.min_loss_scale,
-            dynamic=not fixed,
+            initial_scale=policy.fixed if policy.fixed is not None else policy.initial,
+            growth_factor=policy.growth_factor,
+            backoff_factor=policy.backoff_factor,
+            growth_interval=policy.growth_interval,
+            hysteresis=policy.hysteresis,
+            min_scale=policy.min_scale,
+            dynamic=policy.fixed is None,
         )
 
     def update(self, finite: bool) -> None:
@@ -89,7 +86,8 @@ class DynamicLossScaler:
             raise RuntimeError(
                 f"fp16 loss scale reached its minimum ({self.min_scale:g}) and gradients are "
                 "still not finite: the model diverged or overflows even unscaled; lower the "
-                "learning rate, use precision='bf16', or lower ZeroConfig.min_loss_scale"
+                "learning rate, use precision='bf16', or lower "
+                "ZeroConfig.precision.loss_scaling.min_scale"
             )
         self.scale = max(self.scale * self.backoff_factor, self.min_scale)
 

@@ -4,8 +4,8 @@ Each decision is taken by every rank alike from the flags of the step's one agre
 all-reduce ([Note: step agreement] in agreement.py); the messages name the step, the cause and
 the fix:
 
-- a non-finite gradient, or loss given to ``opt.backward`` (fp32, bf16): ``ZeroConfig.nonfinite``
-  (fp16: the loss scaler skips);
+- a non-finite gradient, or loss given to ``opt.backward`` (fp32, bf16):
+  ``ZeroConfig.precision.nonfinite`` (fp16: the loss scaler skips);
 - ``step()`` with no gradient produced since the last step on any rank:
   ``ZeroConfig.step_without_backward``;
 - a step on gradients that no ``zero_grad`` cleared since the previous step: logged once
@@ -72,9 +72,10 @@ def skipped(flags: StepFlags, scale: float | None, step: int, count: int) -> str
 def nonfinite_error(step: int, what: str) -> RuntimeError:
     return RuntimeError(
         f"zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
-        "(ZeroConfig.nonfinite='raise'). The run diverged or a batch is bad: lower the learning "
-        "rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or set "
-        "ZeroConfig(nonfinite='skip') to skip such steps on every rank"
+        "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
+        "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
+        "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
+        "rank"
     )
 
 

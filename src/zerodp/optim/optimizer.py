@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerodp.comm import CommStats
+from zerodp.config import ZeroConfig
 from zerodp.memory.report import MemoryReport, measure
 from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.pieces import pieces_in_state_order
@@ -54,6 +55,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def engine(self) -> ZeroEngine:
         return self._engine
 
+    def close(self) -> None:
+        """Remove zerodp's hooks from the model (waiting for any collective in flight), e.g.
+        before destroying the process group when the model is not used again: the model and
+        its engine reference each other, so the hooks would otherwise outlive the group."""
+        self._engine.remove()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._engine.step(closure)
@@ -70,9 +77,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.last_step
 
     @property
+    def config(self) -> ZeroConfig:
+        """The configuration ``zerodp.initialize`` was given."""
+        return self._engine.config
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far (skipped ones included; a loaded checkpoint's count
+        continues)."""
+        return self._engine.steps
+
+    @property
     def skipped_steps(self) -> int:
         """Steps skipped so far because some rank had non-finite gradients (fp16; fp32 and bf16
-        with ``ZeroConfig(nonfinite='skip')``: or a non-finite loss)."""
+        with ``Precision(nonfinite='skip')``: or a non-finite loss)."""
         return self._engine.skipped_steps
 
     @property

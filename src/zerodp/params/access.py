@@ -143,8 +143,8 @@ def _refuse_if_released(lookup: UnitLookup, param: torch.Tensor, what: str) -> N
         "their unit's module, in the loss only if they belong to the root unit (or a unit "
         "attached to it), or inside "
         "`with zerodp.full_parameters(model):`; to keep a parameter available, make it part "
-        "of an enclosing unit (ZeroConfig.unit_classes / unit_policy) or persistent "
-        "(ZeroConfig.persist_numel)"
+        "of an enclosing unit (ZeroConfig.stage3.unit_classes / unit_policy) or persistent "
+        "(ZeroConfig.stage3.persist_numel)"
     )
 
 

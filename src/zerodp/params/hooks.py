@@ -247,7 +247,7 @@ class Schedule:
             self.check.error = (
                 f"the gradient of '{name}' arrived after its unit '{unit.label}' was "
                 "reduce-scattered: the parameter is used outside its unit's forward; make it "
-                "part of an enclosing unit (ZeroConfig.unit_classes / unit_policy)"
+                "part of an enclosing unit (ZeroConfig.stage3.unit_classes / unit_policy)"
             )
             return
         unit.ready_grads += 1

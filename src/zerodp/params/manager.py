@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import Communicator
-from zerodp.config import ZeroConfig
+from zerodp.config import Stage3
 from zerodp.params.access import guard_parameters
 from zerodp.params.build import Builder, InitFn, Named
 from zerodp.params.hooks import Schedule
@@ -58,27 +58,27 @@ class ShardedParams:
         trainable: Named,
         optimized: set[int],
         plan: Plan,
-        config: ZeroConfig,
+        policy: Stage3,
         comm: Communicator,
         fp32_ids: set[int],
         options: Stage3Options,
     ) -> None:
         self.comm = comm
         self.plan = plan
-        self.depth = config.prefetch_depth
+        self.depth = policy.prefetch_depth
         self.uplan = plan_units(
             model,
-            config.unit_classes,
-            config.unit_min_numel,
+            policy.unit_classes,
+            policy.unit_min_numel,
             options.unit_policy,
-            leaf_min_numel=config.leaf_unit_min_numel,
+            leaf_min_numel=policy.leaf_unit_min_numel,
         )
         # Small (or empty) parameters, and trainable ones no optimizer group holds (never
-        # updated), stay replicated: see [Note: persistent parameters] in config.py.
+        # updated), stay replicated: see [Note: persistent parameters] in config/policies.py.
         keep = {
             id(p)
             for _, p in trainable
-            if p.numel() <= config.persist_numel or p.numel() == 0 or id(p) not in optimized
+            if p.numel() <= policy.persist_numel or p.numel() == 0 or id(p) not in optimized
         }
         members: list[Named] = [[] for _ in self.uplan.units]
         for name, p in trainable:
@@ -104,7 +104,7 @@ class ShardedParams:
         labels = [u.label for u in self.units]
         labels += [f"persistent parameters #{k}" for k in range(len(self.persistent_seg_ids))]
         device_of = self.segments[0].device if self.segments else torch.device("cpu")
-        self.check = OrderCheck(comm, labels, config.check_unit_order, device_of)
+        self.check = OrderCheck(comm, labels, policy.check_unit_order, device_of)
         self.trace = Trace()
         self.gatherer = Gatherer(comm, self.check, self.trace)
         self._where: dict[int, tuple[str, Unit]] = {

@@ -20,8 +20,8 @@ of one), so a rank that plans something else still meets the others at an exchan
 shape and every rank raises. Each exchange also carries a *marker* column (``mark``): what the
 rank started since the last exchange (a training forward, a forward without gradients,
 ``generate``), so ranks doing different kinds of work over the same units are told apart with
-no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.check_unit_order=False`` skips
-the checks once a model is known to run the same units on every rank.
+no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.stage3.check_unit_order=False``
+skips the checks once a model is known to run the same units on every rank.
 
 [Note: merged plans]
 Ranks may run different units (top-1 MoE routing, a layer dropped on one rank, a branch taken on
@@ -313,7 +313,7 @@ class OrderCheck:
             advice = (
                 "Every rank must run the same backwards and steps; units that run on some "
                 "ranks only are merged, but not the same units in different orders (put "
-                "their parameters in an enclosing unit via ZeroConfig.unit_classes or "
+                "their parameters in an enclosing unit via ZeroConfig.stage3.unit_classes or "
                 "unit_policy)"
             )
         if len(set(self._positions)) > 1:  # the usual cause: say it first

@@ -7,12 +7,13 @@ module is always a unit (possibly owning no parameters). Further units are chose
 of precedence:
 
 1. a policy ``policy(name, module) -> bool`` passed to ``zerodp.initialize(unit_policy=...)``;
-2. ``ZeroConfig.unit_classes``: every module whose class name is listed (any size);
+2. ``ZeroConfig.stage3.unit_classes``: every module whose class name is listed (any size);
 3. the default: every element of a container (``nn.ModuleList``, ``nn.Sequential``,
-   ``nn.ModuleDict``) holding at least ``ZeroConfig.unit_min_numel`` parameter elements, and
-   every *leaf* child of the root (a module without children, such as an ``nn.Embedding`` or
-   an ``nn.Linear`` LM head) owning at least ``ZeroConfig.leaf_unit_min_numel`` parameter
-   elements that no other module registers. These *attached* units keep the root unit small.
+   ``nn.ModuleDict``) holding at least ``ZeroConfig.stage3.unit_min_numel`` parameter elements,
+   and every *leaf* child of the root (a module without children, such as an ``nn.Embedding``
+   or an ``nn.Linear`` LM head) owning at least ``ZeroConfig.stage3.leaf_unit_min_numel``
+   parameter elements that no other module registers. These *attached* units keep the root unit
+   small.
 
 The default picks the repeated layers of a transformer (``blocks.0``, ``blocks.1``, ...) and,
 in a large model, the token embedding and the LM head; position embeddings, final norms and

@@ -226,7 +226,7 @@ def make_param_sync(
     """The plan's parameter sync; builds (and broadcasts from rank 0) the segments."""
     if plan.shard_params:
         options = stage3 or Stage3Options()
-        args = (model, trainable, optimized, plan, config, comm, fp32, options)
+        args = (model, trainable, optimized, plan, config.stage3, comm, fp32, options)
         return ShardedParamSync(ShardedParams(*args), plan, comm)
     return ReplicatedParams(trainable, plan, config, comm, fp32)
 

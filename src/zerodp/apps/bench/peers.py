@@ -164,8 +164,7 @@ class ZerodpPeer(Peer):
         self.opt.wait_params()
 
     def close(self) -> None:
-        # The model and its engine reference each other: unhook before the group goes away.
-        self.opt.engine.remove()
+        self.opt.close()
 
 
 class FSDP2Peer(Peer):

@@ -26,7 +26,7 @@ def resume(options: TrainOptions, model: nn.Module, opt: ZeroOptimizer) -> int:
             f"the checkpoint {options.resume} was trained with --seed {saved_seed}: resume with "
             "the same seed, or the data stream would not continue where it stopped"
         )
-    step = opt.engine.steps
+    step = opt.steps
     if step >= options.steps:
         raise ValueError(
             f"the checkpoint {options.resume} is at step {step}, not before --steps "

@@ -148,7 +148,8 @@ def _largest_unit_params(model: GPT) -> int:
 def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Curves) -> RunResult:
     """Every rank's losses and memory report, on every rank (rank 0 uses them)."""
     memory = opt.memory_report()
-    gathered = opt.engine.comm.all_gather_object((curves.losses, memory.to_dict()))
+    gathered: list[tuple[list[float], dict]] = [([], {})] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, (curves.losses, memory.to_dict()))
     per_rank_losses = [g[0] for g in gathered]
     mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses, strict=True)]
     stats = opt.comm_stats()
@@ -161,9 +162,9 @@ def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Cur
         step_times=curves.times,
         tokens_per_step=curves.tokens_per_step,
         num_params=memory.num_params,
-        element_size=dtype_bytes(opt.engine.config.precision),
-        reduce_element_size=dtype_bytes(opt.engine.config.reduce_dtype),
-        bucket_bytes=opt.engine.config.bucket_bytes,
+        element_size=dtype_bytes(opt.config.precision.compute),
+        reduce_element_size=dtype_bytes(opt.config.precision.reduce),
+        bucket_bytes=opt.config.bucket_bytes,
         memory=[g[1] for g in gathered],
         comm=stats.to_dict() if stats is not None else None,
         comm_volumes=curves.volumes,

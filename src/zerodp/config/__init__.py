@@ -1,0 +1,28 @@
+"""User-facing configuration: ``ZeroConfig`` and its nested policies, frozen and validated.
+
+``zero.py``: ``ZeroConfig``; ``policies.py``: ``Precision``, ``LossScaling``, ``Stage3``;
+``nesting.py``: what makes a policy ([Note: nested policies]); ``checks.py``: value checks;
+``legacy.py``: the flat names of 0.1, deprecated ([Note: flat names]).
+"""
+
+from zerodp.config.policies import (
+    NONFINITE,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    LossScaling,
+    Precision,
+    Stage3,
+)
+from zerodp.config.zero import STAGES, STEP_WITHOUT_BACKWARD, ZeroConfig
+
+__all__ = [
+    "NONFINITE",
+    "PRECISIONS",
+    "REDUCE_DTYPES",
+    "STAGES",
+    "STEP_WITHOUT_BACKWARD",
+    "LossScaling",
+    "Precision",
+    "Stage3",
+    "ZeroConfig",
+]
