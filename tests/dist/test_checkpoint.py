@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from config_0_1 import saved_by_0_1
 from harness import RankFailure, WorldPool, run_world
 from safetensors.torch import load_file
 from torch import nn
@@ -367,30 +368,7 @@ def test_reshard_matches_unsharded_reference(
 # --- a checkpoint saved by zerodp 0.1 (flat config) -----------------------------------------------
 
 # What 0.1's flat ZeroConfig.to_dict() held for build(2, ...)'s config.
-CONFIG_0_1 = {
-    "stage": 2,
-    "bucket_bytes": 256,
-    "broadcast_buffers": True,
-    "overlap_param_gather": True,
-    "precision": "fp32",
-    "reduce_dtype": "fp32",
-    "loss_scale": None,
-    "initial_scale": 65536.0,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 1000,
-    "hysteresis": 2,
-    "min_loss_scale": 1.0,
-    "unit_classes": [],
-    "unit_min_numel": 16384,
-    "leaf_unit_min_numel": 1048576,
-    "prefetch_depth": 1,
-    "persist_numel": 0,
-    "check_unit_order": True,
-    "watchdog_s": 300.0,
-    "nonfinite": "raise",
-    "step_without_backward": "warn",
-}
+CONFIG_0_1 = saved_by_0_1(stage=2, bucket_bytes=256)
 
 
 def _as_saved_by_0_1(step: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from config_0_1 import saved_by_0_1
 
 import zerodp
 from zerodp import LossScaling, Precision, Stage3, ZeroConfig
@@ -485,30 +486,13 @@ def test_flat_name_with_its_nested_dict_is_refused() -> None:
 
 
 # A ZeroConfig.to_dict() of zerodp 0.1 (flat), as checkpoint manifests of 0.1 hold it.
-SAVED_BY_0_1 = {
-    "stage": 3,
-    "bucket_bytes": 4096,
-    "broadcast_buffers": True,
-    "overlap_param_gather": True,
-    "precision": "fp16",
-    "reduce_dtype": "fp32",
-    "loss_scale": None,
-    "initial_scale": 1024.0,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 1000,
-    "hysteresis": 2,
-    "min_loss_scale": 1.0,
-    "unit_classes": ["GPT2Block"],
-    "unit_min_numel": 16384,
-    "leaf_unit_min_numel": 1048576,
-    "prefetch_depth": 1,
-    "persist_numel": 0,
-    "check_unit_order": True,
-    "watchdog_s": 300.0,
-    "nonfinite": "raise",
-    "step_without_backward": "warn",
-}
+SAVED_BY_0_1 = saved_by_0_1(
+    stage=3,
+    bucket_bytes=4096,
+    precision="fp16",
+    initial_scale=1024.0,
+    unit_classes=["GPT2Block"],
+)
 
 
 def test_a_config_saved_by_0_1_reads_as_nested_without_warnings() -> None:
