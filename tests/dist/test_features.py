@@ -28,6 +28,14 @@ import zerodp
 
 STAGES = [0, 1, 2, 3]
 TIMEOUT = 90.0
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def _cfg(stage: int) -> zerodp.ZeroConfig:
@@ -139,6 +147,19 @@ def case_scheduler(stage: int) -> list[float]:
         lrs.append(pair.opt.param_groups[0]["lr"])
         assert lrs[-1] == pair.ref_opt.param_groups[0]["lr"], "scheduler lr differs"
         assert_close(pair.model, pair.ref, what=f"scheduled step {step}")
+        assert pair.opt.steps == step + 1, f"opt.steps {pair.opt.steps} after {step + 1} steps"
+    assert pair.opt.config == _cfg(stage), "opt.config is not the config initialize got"
+    pair.opt.close()  # every hook zerodp registered is gone
+    hooks = [
+        (name, kind)
+        for name, m in pair.model.named_modules()
+        for kind in HOOK_DICTS
+        if getattr(m, kind)
+    ]
+    hooks += [
+        (n, "grad") for n, p in pair.model.named_parameters() if p._post_accumulate_grad_hooks
+    ]
+    assert not hooks, f"hooks left after opt.close(): {hooks}"
     return lrs
 
 
