@@ -103,6 +103,7 @@ class GradReducer:
         self.shard_grads: list[torch.Tensor | None] = [
             zeros_like_shard(s) if staged else None for s in segments
         ]
+        self._storages = self._typed_storages()  # the buffers above, typed, for the optimizer
         self.buckets = self._global_buckets()
         self._slot_buckets = [
             [[self._seg_bucket_ids[i][b] for b in buckets] for buckets in seg.layout.slot_buckets]
@@ -441,14 +442,19 @@ class GradReducer:
     def grad_storage(self, seg: int) -> OwnedStorage:
         """Segment ``seg``'s reduced gradients: stage 2's shard, or the full buffer whose
         averaged slices this rank steps (stage 1) or all of which it steps (stage 0)."""
-        layout = self.segments[seg].layout
-        shard = self.shard_grads[seg]
-        if shard is not None:
-            return ShardBuffer(shard, layout, self.comm.rank)
-        buf = self.grad_buffers[seg]
-        assert buf is not None
-        owner = None if self.mode is ReduceMode.ALL_REDUCE else self.comm.rank
-        return FlatBuffer(buf, layout, owner)
+        return self._storages[seg]
+
+    def _typed_storages(self) -> list[OwnedStorage]:
+        rank = self.comm.rank
+        owner = None if self.mode is ReduceMode.ALL_REDUCE else rank
+        out: list[OwnedStorage] = []
+        for seg, buf, shard in zip(self.segments, self.grad_buffers, self.shard_grads, strict=True):
+            if shard is not None:
+                out.append(ShardBuffer(shard, seg.layout, rank))
+            else:
+                assert buf is not None
+                out.append(FlatBuffer(buf, seg.layout, owner))
+        return out
 
     def buffer_bytes(self) -> int:
         return self._inflight.staging_bytes

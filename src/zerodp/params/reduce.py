@@ -68,6 +68,10 @@ class ShardedGrads:
         self.shard_grads = [
             torch.empty(s.layout.shard_numel, dtype=s.dtype, device=s.device) for s in segments
         ]
+        self._storages: list[OwnedStorage] = [
+            ShardBuffer(t, s.layout, comm.rank)
+            for t, s in zip(self.shard_grads, segments, strict=True)
+        ]
         # Per segment: (bucket, offset in the rank's slice of it, elements per rank) of every
         # reduce-scatter; see [Note: stage-3 reduce chunks].
         self._chunks = [
@@ -204,7 +208,7 @@ class ShardedGrads:
         self._averaged = False
 
     def grad_storage(self, seg: int) -> OwnedStorage:
-        return ShardBuffer(self.shard_grads[seg], self.segments[seg].layout, self.comm.rank)
+        return self._storages[seg]
 
     def buffer_bytes(self) -> int:
         return self._inflight.staging_bytes
