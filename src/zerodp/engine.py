@@ -14,7 +14,7 @@ the step over their protocols (``docs/architecture.md``):
 Beside it: what to adopt after ``initialize`` (``optim/adoption.py``; the engine rebuilds the
 components for it), the hooks around the forward (``forward_hooks.py``), and the narrow views
 it hands to checkpoints, ``full_parameters`` and the memory report (``views.py``). Slightly
-over the ~400-line budget (428): the three view builders at the end read the engine's own
+over the ~400-line budget (429): the three view builders at the end read the engine's own
 components, which is what keeps checkpoints and the report from reading the engine.
 """
 
@@ -94,10 +94,9 @@ class ZeroEngine:
         agree(self.comm, fingerprint(model, optimizer, config), error)
 
         self.cast: Cast = make_cast(model, self.plan.mixed, self.plan.compute_dtype)
-        self._fp32_ids = self.cast.fp32_ids
         self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
         optimized = set(self._groups)
-        fp32 = self._fp32_ids
+        fp32 = self.cast.fp32_ids  # BatchNorm's, kept fp32 in segments of their own
         self.param_sync = make_param_sync(
             model, trainable, optimized, self.plan, config, self.comm, fp32, stage3
         )
@@ -195,7 +194,7 @@ class ZeroEngine:
         reducer over every segment; ``broadcast``: parameters new to zerodp (rank 0's values)."""
         self.param_gather.wait_all()
         new = build_segments(
-            named, self.plan, self.comm.world_size, self._fp32_ids, first=len(self.segments)
+            named, self.plan, self.comm.world_size, self.cast.fp32_ids, first=len(self.segments)
         )
         if broadcast:
             broadcast_segments(self.comm, new)
