@@ -12,7 +12,7 @@ from zerodp.checkpoint import (
     save_checkpoint,
 )
 from zerodp.comm import CollectiveError, CommStats
-from zerodp.config import LossScaling, Precision, Stage3, ZeroConfig
+from zerodp.config import LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
 from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
 from zerodp.optim.loss_scaler import StepInfo
@@ -26,6 +26,7 @@ __all__ = [
     "CommStats",
     "LossScaling",
     "MemoryReport",
+    "OffloadConfig",
     "Precision",
     "Stage3",
     "StepInfo",

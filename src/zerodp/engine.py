@@ -31,6 +31,9 @@ from zerodp.config import ZeroConfig
 from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
+from zerodp.offload.landing import Landing
+from zerodp.offload.refuse import refuse_unbuilt_tiers
+from zerodp.offload.runner import OffloadStep
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
 from zerodp.optim.agreement import KeptGrads, StepFlags, agree_on_step
@@ -52,6 +55,7 @@ from zerodp.params.sync import broadcast_segments, make_param_sync
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
+from zerodp.streams import Streams, make_streams
 from zerodp.validation import agree, check_devices, fingerprint
 from zerodp.views import CheckpointState, ParamAccess, StepCounters
 
@@ -84,6 +88,7 @@ class ZeroEngine:
     ) -> None:
         self.config = config
         self.plan = resolve(config)
+        refuse_unbuilt_tiers(self.plan)
         self.comm = Communicator(process_group, CommLedger(), config.watchdog_s)
         self.model = model
         named = _unique_named_parameters(model)
@@ -103,9 +108,18 @@ class ZeroEngine:
         self.params = self.param_sync.sharded
         self.segments = self.param_sync.segments
         plan = self.plan
+        offload = plan.offload_optimizer != "none"
         self.masters = Masters(
-            self.segments, separate=plan.mixed, sharded=plan.shard_optimizer, rank=self.comm.rank
+            self.segments,
+            separate=plan.mixed,
+            sharded=plan.shard_optimizer,
+            rank=self.comm.rank,
+            host=offload,
         )
+        # The offloaded step's streams and landings ([Note: offloaded step] in offload/).
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.streams: Streams | None = make_streams(device) if offload else None
+        self.landing: Landing | None = None if self.streams is None else Landing(self.streams)
         self._hooks: list[Any] = []
         self._hooks += self.cast.install(model, self.segments, self.frozen)
         self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
@@ -114,6 +128,8 @@ class ZeroEngine:
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.runner = self._runner()
         self.param_gather = self.param_sync.gather
+        if self.landing is not None:
+            self.param_sync.attach_landing(self.landing)
         self.param_sync.install(model)
         self.optimizer = optimizer
         self.loss = make_loss_policy(plan, config.precision)
@@ -174,13 +190,18 @@ class ZeroEngine:
         return make_pieces(self.segments, per_seg, self._groups, master, grads)
 
     def _runner(self) -> StepRunner:
-        return make_runner(
+        runner = make_runner(
             self.segments,
             self.pieces,
             mixed=self.plan.mixed,
             sharded=self.plan.shard_optimizer,
             rank=self.comm.rank,
         )
+        if self.streams is None or self.landing is None:
+            return runner
+        order = self.param_sync.update_order()
+        args = (self.segments, self.pieces, self.masters, runner, self.streams, self.landing)
+        return OffloadStep(*args, order, self.plan.offload_ring)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
@@ -192,7 +213,7 @@ class ZeroEngine:
     def _adopt(self, named: list[tuple[str, nn.Parameter]], *, broadcast: bool = False) -> None:
         """Segments, masters, gather and pieces for trainable parameters that have none, and a
         reducer over every segment; ``broadcast``: parameters new to zerodp (rank 0's values)."""
-        self.param_gather.wait_all()
+        self.wait_params()
         new = build_segments(
             named, self.plan, self.comm.world_size, self.cast.fp32_ids, first=len(self.segments)
         )
@@ -281,7 +302,7 @@ class ZeroEngine:
                 loss = closure()
         self.comm.progress.enter("optimizer step")
         self.finish_gradients()
-        self.param_gather.wait_all()  # the optimizer writes the slices a gather may be sending
+        self.wait_params()  # the optimizer writes the slices a gather may be sending
         without_backward = not self._flags.backward
         counters = self.counters
         if without_backward:
@@ -300,7 +321,7 @@ class ZeroEngine:
         else:
             reason = None
             self.runner.step(self.optimizer, self.reducer, self._inv_scale(), self._used)
-            self.publish_params()
+            self.param_sync.publish(self.masters, written=self.runner.writes_params)
         self.loss.after_step(self._skip)
         self.comm.progress.step = counters.steps
         self.comm.progress.enter(BETWEEN_STEPS)
@@ -330,15 +351,17 @@ class ZeroEngine:
         self.param_sync.publish(self.masters)
 
     def wait_params(self) -> None:
-        """Wait for the parameter all-gather of the last step (stages 1-2): afterwards every
-        parameter holds its updated value. Idempotent and cheap when nothing is in flight."""
+        """Wait for the parameter all-gather of the last step (stages 1-2) and, offloaded, for
+        every bucket's update: afterwards every parameter (and master) holds its updated
+        value. Idempotent and cheap when nothing is in flight."""
         self.param_gather.wait_all()
+        if self.landing is not None:
+            self.landing.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.kept_grads.zero_grad(self.reducer.used, set_to_none)
         self.reducer.zero_grad()
-        for op in self.pieces:
-            op.tensor.grad = None
+        self.runner.unbind()
         self.runner.reset()
         self._grads_final = False
         self._skip = False
@@ -419,9 +442,12 @@ class ZeroEngine:
         return sum(s.numel for s in self.segments)
 
     def remove(self) -> None:
+        self.wait_params()
         self.param_sync.remove()
         for h in self._hooks:
             h.remove()
+        if self.streams is not None:
+            self.streams.close()
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -34,6 +34,9 @@ class Plan:
     mixed: bool  # separate fp32 masters (see [Note: mixed precision] in optim/masters.py)
     loss_scaling: bool  # fp16: scale the loss, skip non-finite steps, adapt the scale
     check_finite: bool  # check the step's gradients: fp16 (loss scaler), else Precision.nonfinite
+    offload_optimizer: str  # "none", "cpu", "nvme": where masters and optimizer state live
+    offload_params: str  # stage 3: where the parameter shards rest
+    offload_ring: int  # host transfer buffers per direction (OffloadConfig.ring_buckets)
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.bucket_bytes // _element_size(dtype))
@@ -64,6 +67,9 @@ def resolve(config: ZeroConfig) -> Plan:
         mixed=precision.compute != "fp32",
         loss_scaling=precision.compute == "fp16",
         check_finite=precision.compute == "fp16" or precision.nonfinite != "ignore",
+        offload_optimizer=config.offload.optimizer,
+        offload_params=config.offload.params,
+        offload_ring=config.offload.ring_buckets,
     )
 
 

@@ -1,10 +1,12 @@
 """User-facing configuration: ``ZeroConfig`` and its nested policies, frozen and validated.
 
 ``zero.py``: ``ZeroConfig``; ``policies.py``: ``Precision``, ``LossScaling``, ``Stage3``;
+``offload.py``: ``OffloadConfig``;
 ``nesting.py``: what makes a policy ([Note: nested policies]); ``checks.py``: value checks;
 ``legacy.py``: the flat names of 0.1, deprecated ([Note: flat names]).
 """
 
+from zerodp.config.offload import TIERS, OffloadConfig
 from zerodp.config.policies import (
     NONFINITE,
     PRECISIONS,
@@ -21,7 +23,9 @@ __all__ = [
     "REDUCE_DTYPES",
     "STAGES",
     "STEP_WITHOUT_BACKWARD",
+    "TIERS",
     "LossScaling",
+    "OffloadConfig",
     "Precision",
     "Stage3",
     "ZeroConfig",

@@ -26,6 +26,7 @@ from zerodp.config.checks import (
 )
 from zerodp.config.legacy import accepts_flat_names, nest_flat_names, read_flat_name
 from zerodp.config.nesting import Policy, coerce_policies, from_mapping
+from zerodp.config.offload import OffloadConfig, check_offload_stage
 from zerodp.config.policies import Precision, Stage3
 
 STAGES = (0, 1, 2, 3)
@@ -95,6 +96,9 @@ class ZeroConfig(Policy):
     stage3: Stage3 = field(default_factory=Stage3)
     """Stage 3's units, prefetching and persistent parameters; other stages ignore it."""
 
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Optimizer state (stages 1-3) and parameters (stage 3) in host memory or on NVMe."""
+
     if TYPE_CHECKING:
         # What type checkers see: the generated __init__ but with the precision shorthand.
         # At run time the dataclass's own __init__ (wrapped by accepts_flat_names) is used;
@@ -110,6 +114,7 @@ class ZeroConfig(Policy):
             step_without_backward: str = ...,
             precision: Precision | str = ...,
             stage3: Stage3 = ...,
+            offload: OffloadConfig = ...,
         ) -> None: ...
 
     else:
@@ -126,6 +131,7 @@ class ZeroConfig(Policy):
         check_bool(self, "overlap_param_gather")
         check_positive_float(self, "watchdog_s", optional=True)
         check_choice(self, "step_without_backward", STEP_WITHOUT_BACKWARD)
+        check_offload_stage(self.offload, self.stage)
 
     def to_dict(self) -> dict[str, Any]:
         """The nested form, JSON-ready (tuples aside): ``from_dict`` gives this config back."""

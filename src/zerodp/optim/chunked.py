@@ -49,6 +49,8 @@ class Chunk:
 class ChunkedGrads:
     """See [Note: chunked fp32 gradients]."""
 
+    writes_params = False
+
     def __init__(
         self, segments: list[Segment], pieces: list[OptimPiece], *, owner: int | None
     ) -> None:
@@ -149,9 +151,15 @@ class ChunkedGrads:
     def bind(self, used: list[list[bool]]) -> None:
         """Nothing: ``.grad`` points at the scratch only inside ``step``."""
 
+    def unbind(self) -> None:
+        pass
+
     def _used(self, k: int, used: list[list[bool]]) -> bool:
         op = self.pieces[k]
         return used[op.seg][op.slot]
+
+    def pending_factors(self) -> list[torch.Tensor]:
+        return list(self.coefs)
 
     def reset(self) -> None:
         self.coefs = []

@@ -18,6 +18,11 @@ step allocates an fp32 copy of the owned gradient.
 Stage 3 (``ShardedSegment``, [Note: sharded storage]): the owned shard is all a rank holds at
 rest. fp32: the masters *are* the shards. Mixed: the masters are fp32 copies of the shards, and
 ``publish`` casts them into the shards; units are gathered when next used, not here.
+
+Optimizer offload (``ZeroConfig.offload.optimizer``, stages 1-3): the masters are fp32 copies
+of the owned slices in host memory at every precision, and the offloaded step copies each
+bucket's update back ([Note: offloaded step] in offload/runner.py); ``publish`` is the
+synchronous copy a checkpoint load uses.
 """
 
 from __future__ import annotations
@@ -39,11 +44,21 @@ class ReducedGrads(Protocol):
 class Masters:
     """Master storage for every segment; see [Note: mixed precision]."""
 
-    def __init__(self, segments: list[Segment], *, separate: bool, sharded: bool, rank: int):
+    def __init__(
+        self,
+        segments: list[Segment],
+        *,
+        separate: bool,
+        sharded: bool,
+        rank: int,
+        host: bool = False,
+    ):
         self.segments = segments
-        self.separate = separate  # fp32 copies (mixed precision) rather than the params
+        self.host = host  # in host memory (optimizer offload; sharded only)
+        self.separate = separate or host  # fp32 copies rather than the params
         self.owner = rank if sharded else None  # whose slices the optimizer steps
         self.rank = rank
+        assert not host or sharded, "offloaded masters are the owned slices (stages 1-3)"
         self.buffers: list[OwnedStorage] = [self._master(seg) for seg in segments]
 
     def _master(self, seg: Segment) -> OwnedStorage:
@@ -52,7 +67,8 @@ class Masters:
             return params
         if self.owner is None:
             return FlatBuffer(params.data.detach().float().clone(), seg.layout, None)
-        data = torch.empty(seg.layout.shard_numel, dtype=torch.float32, device=seg.device)
+        device = torch.device("cpu") if self.host else seg.device
+        data = torch.empty(seg.layout.shard_numel, dtype=torch.float32, device=device)
         master = ShardBuffer(data, seg.layout, self.rank)
         copy_regions(master, params)
         return master
@@ -78,7 +94,8 @@ class Masters:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of fp32 master copies (0 when the masters are the parameters themselves)."""
+        """Bytes of fp32 master copies (0 when the masters are the parameters themselves), on
+        the device or, offloaded, in host memory (``host``)."""
         return sum(b.data.numel() * b.data.element_size() for b in self.buffers) * self.separate
 
 

@@ -6,8 +6,9 @@ plan, so that the engine's step has no precision branch.
 - ``ChunkedGrads`` (bf16/fp16, ``optim/chunked.py``): bucket by bucket through a constant-size
   fp32 scratch ([Note: chunked fp32 gradients]).
 
-Where offload plugs in: a runner that steps pieces held in host memory is a third
-implementation of the same protocol.
+- ``OffloadStep`` (``offload/runner.py``, ``ZeroConfig.offload``): checks and clips through one
+  of the two above, then steps host-resident pieces on the CPU, bucket by bucket, overlapped
+  ([Note: offloaded step]).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class StepRunner(Protocol):
         """The step's gradients are final: expose them to the user's optimizer where it reads
         them outside ``step`` (fp32: ``.grad`` of the used pieces)."""
 
+    def unbind(self) -> None:
+        """Forget what ``bind`` exposed (``zero_grad``)."""
+
     def step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -53,16 +57,24 @@ class StepRunner(Protocol):
         """``clip_grad_norm_`` over the owned gradients: the global norm, applied to this
         step's gradients."""
 
+    def pending_factors(self) -> list[torch.Tensor]:
+        """What the reduced gradients must still be multiplied by after unscaling, in order
+        (the clip coefficients that this runner applies while filling chunks)."""
+
     def reset(self) -> None:
         """Forget this step's clip coefficients (after the step, at ``zero_grad``)."""
 
     @property
     def nbytes(self) -> int:
-        """Memory the runner holds for the step (the chunked scratch)."""
+        """Device memory the runner holds for the step (the chunked scratch)."""
+
+    writes_params: bool  # the step writes the parameters itself (else ``publish`` does)
 
 
 class WholeStep:
     """fp32: the user's optimizer steps views of the reduced gradients."""
+
+    writes_params = False
 
     def __init__(
         self,
@@ -89,6 +101,10 @@ class WholeStep:
         for op in self.pieces:
             op.tensor.grad = op.grad if used[op.seg][op.slot] else None
 
+    def unbind(self) -> None:
+        for op in self.pieces:
+            op.tensor.grad = None
+
     def step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -107,10 +123,13 @@ class WholeStep:
         norm_type: float,
         comm: Communicator,
     ) -> torch.Tensor:
-        bound = [op.tensor.grad for op in self.pieces if op.tensor.grad is not None]
+        bound = [op.grad for op in self.pieces if used[op.seg][op.slot]]  # what ``bind`` binds
         return clip_grad_norm(
             bound, max_norm, norm_type, comm, sharded=self.sharded, device=self.device
         )
+
+    def pending_factors(self) -> list[torch.Tensor]:
+        return []  # clipping scaled the reduced gradients in place
 
     def reset(self) -> None:
         pass

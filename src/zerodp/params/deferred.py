@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from zerodp.comm import Communicator, Handle
+from zerodp.offload.landing import Landing
 from zerodp.partition.segment import Segment
 
 
@@ -44,34 +45,67 @@ class DeferredGather:
             for s in reversed(range(len(segments)))
             for b in reversed(range(len(segments[s].layout.buckets)))
         ]
-        self._handles: list[Handle] = []
+        self._handles: list[Handle | None] = []  # by issue position; None: nothing to gather
+        self._launched = False  # a generation is issued (or being issued) and not all waited
+        self._issued = 0
         self._waited = 0
         self._blocking: list[tuple[int, int]] = []  # buckets of segments added after the hooks
         self._hooks: list[Any] = []
         self.in_forward = False  # inside the root module's forward
+        # Offloaded step: a bucket's slice is issued once its update landed ([Note: offloaded
+        # step] in offload/runner.py); issued in order, so every rank issues the same sequence.
+        self.landing: Landing | None = None
 
     @property
     def pending(self) -> bool:
-        return self._waited < len(self._handles)
+        """Some bucket of the last launch is not waited for yet."""
+        return self._launched
+
+    @property
+    def issue_order(self) -> list[tuple[int, int]]:
+        """The buckets in the order a launch issues them."""
+        return [*self._blocking, *self.order]
+
+    @property
+    def _gathers(self) -> bool:
+        return self.comm.world_size > 1
 
     def launch(self) -> None:
         """All-gather every bucket's owned slice into the full buffers (after a step)."""
         self.wait_all()  # never two generations in flight
         self._handles = []
-        self._waited = 0
-        if self.comm.world_size == 1:
+        self._issued = self._waited = 0
+        self._launched = self._gathers or self.landing is not None
+        if not self._launched:
             return
         # First, and waited for: no forward hook waits for these ([Note: unfreezing]).
         for h in [self._issue(s, b) for s, b in self._blocking]:
-            h.wait()
-        self._handles = [self._issue(s, b) for s, b in self.order]
+            if h is not None:
+                h.wait()
+        self._issue_landed()
         if not self.overlap:
             self.wait_all()
 
-    def _issue(self, s: int, b: int) -> Handle:
+    def _issue(self, s: int, b: int) -> Handle | None:
+        if self.landing is not None:
+            self.landing.wait(s, b)
+        if not self._gathers:
+            return None
         flat = self.segments[s].flat
         owned = flat.slice(b, self.comm.rank)
         return self.comm.all_gather(flat.bucket(b), owned, async_op=True)
+
+    def _issue_next(self) -> None:
+        self._handles.append(self._issue(*self.order[self._issued]))
+        self._issued += 1
+
+    def _issue_landed(self) -> None:
+        """Issue, in order, the buckets whose update is in place (all, without offload)."""
+        landing = self.landing
+        while self._issued < len(self.order) and (
+            landing is None or landing.landed(*self.order[self._issued])
+        ):
+            self._issue_next()
 
     def add(self, segments: list[Segment]) -> None:
         """Gather these segments too (appended to the engine's list after the hooks were
@@ -82,21 +116,30 @@ class DeferredGather:
             self._blocking += [(s, b) for b in range(len(self.segments[s].layout.buckets))]
 
     def wait_through(self, position: int) -> None:
-        """Wait for the buckets issued at ``position`` and before."""
-        stop = min(position + 1, len(self._handles))
+        """Wait for the buckets issued at ``position`` and before (issuing them first)."""
+        if not self._launched:
+            return
+        stop = min(position + 1, len(self.order))
+        while self._issued < stop:
+            self._issue_next()
         while self._waited < stop:
-            self._handles[self._waited].wait()
+            handle = self._handles[self._waited]
+            if handle is not None:
+                handle.wait()
             self._waited += 1
+        self._issue_landed()  # keep the gathers flowing while the forward computes
+        if self._waited == len(self.order):
+            self._launched = False
 
     def wait_all(self) -> None:
-        self.wait_through(len(self._handles) - 1)
+        self.wait_through(len(self.order) - 1)
 
     # -- forward pre-hooks ---------------------------------------------------------------------
 
     def register_hooks(self, model: nn.Module) -> None:
         """A forward pre-hook on every module that registers a parameter of these segments,
         waiting for the last-issued bucket among its parameters' buckets."""
-        if not self.overlap or self.comm.world_size == 1:
+        if not self.overlap or not (self._gathers or self.landing is not None):
             return
         position = self._positions()
         self._hooks.append(model.register_forward_pre_hook(self._enter, prepend=True))
@@ -125,7 +168,7 @@ class DeferredGather:
 
     def _hook(self, position: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._waited <= position and self._handles:
+            if self._launched and self._waited <= position:
                 self.wait_through(position)
 
         return hook

@@ -23,6 +23,7 @@ from zerodp.comm import Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.grads.sync import GradSync
+from zerodp.offload.landing import Landing
 from zerodp.optim.masters import Masters
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
@@ -67,8 +68,18 @@ class ParamSync(Protocol):
         """Before a collective outside the step's schedule that every rank issues (buffer
         broadcasts, checkpoints): stage 3 agrees on it with every rank first."""
 
-    def publish(self, masters: Masters) -> None:
-        """The masters were written (a step, a checkpoint load): make the parameters follow."""
+    def publish(self, masters: Masters, *, written: bool = False) -> None:
+        """The masters were written (a step, a checkpoint load): make the parameters follow.
+        ``written``: the step runner is copying the owned slices itself (offload), each
+        bucket's landing awaited by its gather."""
+
+    def update_order(self) -> list[tuple[int, int]]:
+        """(segment, bucket) in the order the next forward first reads them: the order an
+        offloaded step updates them in."""
+
+    def attach_landing(self, landing: Landing) -> None:
+        """Make every gather of a bucket wait for its offloaded update ([Note: offloaded
+        step]); before ``install``."""
 
     def param_bytes(self) -> int:
         """Bytes of trainable parameters held at rest (stage 3: shards and persistent ones)."""
@@ -119,8 +130,14 @@ class ReplicatedParams:
     def check(self, op: Op) -> None:
         pass  # stages 0-2 issue the same collectives in the same order on every rank
 
-    def publish(self, masters: Masters) -> None:
-        _publish(self.gather, masters, self.plan)
+    def publish(self, masters: Masters, *, written: bool = False) -> None:
+        _publish(self.gather, masters, self.plan, written)
+
+    def update_order(self) -> list[tuple[int, int]]:
+        return self.gather.issue_order
+
+    def attach_landing(self, landing: Landing) -> None:
+        self.gather.landing = landing
 
     def param_bytes(self) -> int:
         return sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in self.segments)
@@ -172,9 +189,20 @@ class ShardedParamSync:
     def check(self, op: Op) -> None:
         self.sharded.check(op)
 
-    def publish(self, masters: Masters) -> None:
+    def publish(self, masters: Masters, *, written: bool = False) -> None:
         self.sharded.reset()  # gathered copies are stale now: release them
-        _publish(self.gather, masters, self.plan)
+        _publish(self.gather, masters, self.plan, written)
+
+    def update_order(self) -> list[tuple[int, int]]:
+        # The persistent segments first: their gather is waited for inside the step. Then the
+        # units in order (the order their forward runs in, the first time and usually after).
+        first = [seg.index for seg in self.gather.segments]
+        rest = [s.index for s in self.segments if s.index not in set(first)]
+        return [(i, b) for i in first + rest for b in range(len(self.segments[i].layout.buckets))]
+
+    def attach_landing(self, landing: Landing) -> None:
+        self.gather.landing = landing
+        self.sharded.gatherer.landing = landing
 
     def param_bytes(self) -> int:
         return self.sharded.param_bytes()
@@ -197,11 +225,13 @@ class ShardedParamSync:
                 h.remove()
 
 
-def _publish(gather: DeferredGather, masters: Masters, plan: Plan) -> None:
-    """Masters to parameters, then the all-gather of the replicated segments' updated slices
-    (never while the previous one may still be sending them)."""
+def _publish(gather: DeferredGather, masters: Masters, plan: Plan, written: bool) -> None:
+    """Masters to parameters (unless the step runner copies them: ``written``), then the
+    all-gather of the replicated segments' updated slices (never while the previous one may
+    still be sending them)."""
     gather.wait_all()
-    masters.publish()
+    if not written:
+        masters.publish()
     if plan.gather_params:
         gather.launch()
 

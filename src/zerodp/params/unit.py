@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from zerodp.comm import Communicator, Handle
+from zerodp.offload.landing import Landing
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.policy import UnitSpec
 from zerodp.params.segment import ShardedSegment
@@ -113,6 +114,13 @@ class Gatherer:
         self.trace = trace
         self.gathered_bytes = 0
         self.peak_bytes = 0
+        # Offloaded step: a shard is gathered only once its update landed ([Note: offloaded
+        # step] in offload/runner.py).
+        self.landing: Landing | None = None
+
+    def _landed(self, seg: ShardedSegment) -> None:
+        if self.landing is not None:
+            self.landing.wait_segment(seg.index)
 
     @staticmethod
     def start_plan(unit: Unit) -> list[tuple[Op, int]]:
@@ -129,6 +137,7 @@ class Gatherer:
         if unit.segments:
             self.check(Op.GATHER, unit.index)
         for seg in unit.segments:
+            self._landed(seg)
             seg.alloc(private)
             unit.handles.append(self.comm.all_gather(seg.param_buffer, seg.shard, async_op=True))
         unit.state = UnitState.GATHERING
@@ -142,6 +151,7 @@ class Gatherer:
         """Take part in an all-gather of ``unit`` that other ranks need and this rank does not
         ([Note: merged plans] in order.py): into a scratch buffer, freed once it completes."""
         for seg in unit.segments:
+            self._landed(seg)
             scratch = seg.shard.new_empty(seg.layout.padded_numel)
             self.gathered_bytes += seg.full_nbytes
             self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)

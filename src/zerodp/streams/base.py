@@ -18,8 +18,9 @@ device:
 
 On CUDA ``fn`` runs on the host at once and only its kernels are queued on the side stream; on
 CPU ``fn`` runs in the stream's own worker thread (torch's CPU kernels release the GIL, so the
-work overlaps the caller's). Code correct under the CPU semantics, where even the host side of
-``fn`` is deferred, is correct under CUDA's.
+work overlaps the caller's; a *host* worker, ``Streams.host``, is such a thread on every device,
+for host work that must not hold up the caller). Code correct under the CPU semantics, where
+even the host side of ``fn`` is deferred, is correct under CUDA's.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class Streams(Protocol):
     def side(self, name: str) -> Stream:
         """The side stream ``name`` (e.g. ``"d2h"``, ``"h2d"``, ``"optimizer"``), created on
         first use; the same one for the same name."""
+
+    def host(self, name: str) -> Stream:
+        """The host worker ``name``: a thread that runs its work in order (on every device:
+        work such as a CPU optimizer step must not hold up the caller), created on first use.
+        It may wait for any event, a device stream's included."""
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D host buffer for copies to and from the device (CUDA: pinned, so copies are

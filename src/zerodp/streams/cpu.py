@@ -102,6 +102,7 @@ class CpuStreams:
         self.device = torch.device("cpu")
         self._compute = InlineStream()
         self._sides: dict[str, WorkerStream] = {}
+        self._hosts = HostWorkers()
 
     @property
     def compute(self) -> InlineStream:
@@ -113,6 +114,9 @@ class CpuStreams:
             stream = self._sides[name] = WorkerStream(name)
         return stream
 
+    def host(self, name: str) -> WorkerStream:
+        return self._hosts.get(name)
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
@@ -120,3 +124,22 @@ class CpuStreams:
         for stream in self._sides.values():
             stream.close()
         self._sides.clear()
+        self._hosts.close()
+
+
+class HostWorkers:
+    """The host workers of one owner, by name (both implementations have them)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerStream] = {}
+
+    def get(self, name: str) -> WorkerStream:
+        worker = self._workers.get(name)
+        if worker is None:
+            worker = self._workers[name] = WorkerStream(name)
+        return worker
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()

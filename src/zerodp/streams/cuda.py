@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from zerodp.streams.base import Event, FailedEvent, StreamError, failure
+from zerodp.streams.cpu import HostWorkers, WorkerStream
 
 
 class CudaEvent:
@@ -63,6 +64,7 @@ class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._sides: dict[str, CudaStream] = {}
+        self._hosts = HostWorkers()
 
     @property
     def compute(self) -> CudaStream:
@@ -74,10 +76,14 @@ class CudaStreams:
             stream = self._sides[name] = CudaStream(name, torch.cuda.Stream(self.device))
         return stream
 
+    def host(self, name: str) -> WorkerStream:
+        return self._hosts.get(name)
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def close(self) -> None:
+        self._hosts.close()  # first: host work may still queue copies on the side streams
         for stream in self._sides.values():
             stream.synchronize()
         self._sides.clear()

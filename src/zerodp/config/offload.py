@@ -1,0 +1,82 @@
+"""``OffloadConfig``: which model states live off the device (ZeRO-Offload, ZeRO-Infinity).
+
+A nested policy of ``ZeroConfig`` ([Note: nested policies] in nesting.py); the checks that
+need the stage (optimizer offload at stages 1-3, parameter offload at stage 3) are in
+``ZeroConfig.__post_init__``. The mechanism is ``zerodp/offload`` ([Note: offloaded step] in
+offload/runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from zerodp.config.checks import check_choice, check_positive_int, field_path
+from zerodp.config.nesting import Policy
+
+TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig(Policy):
+    """Where the optimizer state and the parameters of this rank's shard are kept."""
+
+    PATH: ClassVar[str] = "ZeroConfig.offload"
+
+    optimizer: str = "none"
+    """``"none"``: fp32 masters and optimizer state on the device. ``"cpu"``: in host memory,
+    and the optimizer step runs on the CPU, one bucket at a time as its reduced gradient shard
+    arrives, while the next forward starts with the buckets already updated (stages 1-3; exact:
+    the same values as without offload). ``"nvme"``: in files under ``path``."""
+
+    params: str = "none"
+    """Stage 3: where the parameter shards rest between uses (``"cpu"``, ``"nvme"``)."""
+
+    path: str | None = None
+    """Directory for the ``"nvme"`` tier's files (one per rank and tensor group, private to the
+    run, removed at exit). Required by ``"nvme"`` and refused otherwise."""
+
+    ring_buckets: int = 4
+    """Host transfer buffers per direction, each one bucket's owned slice: what bounds the
+    pinned memory of the copies (the gradients to the host, the updated parameters back)."""
+
+    def __post_init__(self) -> None:
+        check_choice(self, "optimizer", TIERS)
+        check_choice(self, "params", TIERS)
+        check_positive_int(self, "ring_buckets")
+        nvme = "nvme" in (self.optimizer, self.params)
+        if self.path is not None and not isinstance(self.path, str):
+            raise ValueError(f"{field_path(self, 'path')} must be a directory; got {self.path!r}")
+        if nvme and not self.path:
+            raise ValueError(
+                f"{field_path(self, 'path')} is required by the 'nvme' tier: give a directory "
+                "on a local disk for the offloaded state"
+            )
+        if self.path is not None and not nvme:
+            raise ValueError(
+                f"{field_path(self, 'path')}={self.path!r} is only used by the 'nvme' tier, "
+                f"but {field_path(self, 'optimizer')}={self.optimizer!r} and "
+                f"{field_path(self, 'params')}={self.params!r}: drop it or choose 'nvme'"
+            )
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self.optimizer != "none"
+
+    @property
+    def params_offloaded(self) -> bool:
+        return self.params != "none"
+
+
+def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
+    """The stage-dependent rules (called by ``ZeroConfig``)."""
+    if offload.optimizer_offloaded and stage == 0:
+        raise ValueError(
+            f"{field_path(offload, 'optimizer')}={offload.optimizer!r} needs stage 1, 2 or 3 "
+            "(stage 0 keeps the whole optimizer state on every rank): set stage >= 1"
+        )
+    if offload.params_offloaded and stage != 3:
+        raise ValueError(
+            f"{field_path(offload, 'params')}={offload.params!r} needs stage 3 (only stage 3 "
+            f"shards the parameters); got stage {stage}"
+        )

@@ -1,0 +1,50 @@
+"""``Landing``: which buckets' offloaded updates are not back on the device yet.
+
+The offloaded step ([Note: offloaded step] in runner.py) returns before the CPU has stepped
+every bucket. For each bucket it leaves here the event of the host work that steps it; that
+work's result is the event of the copy back to the device. Whoever reads a bucket's parameters
+first waits for its landing: the stage 1-2 all-gather of the bucket (``DeferredGather``), the
+stage 3 gather of a unit's shards (``Gatherer``), and ``wait_all`` before anything that reads
+parameters or masters outside the step's order (the next step, checkpoints, reads through the
+model). Only the caller's thread uses it.
+"""
+
+from __future__ import annotations
+
+from zerodp.streams import Event, Streams
+
+
+class Landing:
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self._pending: dict[tuple[int, int], Event] = {}  # (segment, bucket) -> host work
+
+    def expect(self, seg: int, bucket: int, stepped: Event) -> None:
+        """``stepped``: the host work updating this bucket; its result is the copy's event."""
+        self._pending[(seg, bucket)] = stepped
+
+    def landed(self, seg: int, bucket: int) -> bool:
+        """Whether waiting for this bucket would not block (the copy may still be queued on a
+        device stream, which the compute stream then waits for without blocking the host)."""
+        stepped = self._pending.get((seg, bucket))
+        return stepped is None or stepped.done()
+
+    def wait(self, seg: int, bucket: int) -> None:
+        """Work on the compute stream from now on sees the bucket's updated parameters."""
+        stepped = self._pending.get((seg, bucket))
+        if stepped is None:
+            return
+        self.streams.compute.wait(stepped.result())  # raises if the host work failed
+        del self._pending[(seg, bucket)]
+
+    def wait_segment(self, seg: int) -> None:
+        for s, b in [key for key in self._pending if key[0] == seg]:
+            self.wait(s, b)
+
+    def wait_all(self) -> None:
+        for s, b in list(self._pending):
+            self.wait(s, b)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

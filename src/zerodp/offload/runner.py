@@ -1,0 +1,251 @@
+"""``OffloadStep``: the optimizer step on the CPU, bucket by bucket, overlapped.
+
+[Note: offloaded step]
+With ``ZeroConfig.offload.optimizer="cpu"`` the fp32 masters and the optimizer state of this
+rank's slices live in host memory (``Masters(host=True)``; the user's optimizer is bound to
+pieces of them), so the device holds only the parameters and gradients. The gradient
+reductions, the non-finite check and gradient clipping stay on the device, unchanged: the
+check and the global norm are computed from the reduced shards *before* any update (they are
+cheap there, and a step that is skipped or clipped must be known before the first bucket is
+stepped). Then ``step`` sends every bucket (its owned region, a *chunk*) through a pipeline of
+four queues, in the order the next forward needs the buckets (``ParamSync.update_order``):
+
+1. ``d2h`` (a device stream): copy the chunk's reduced gradient into a host ring slot;
+2. ``unpack`` (a host worker): upcast it into this chunk's part of the host fp32 gradient,
+   times 1/loss scale and each clip coefficient not applied on the device yet, exactly as the
+   device step fills its fp32 scratch; the ring slot is free again, and the copy of the chunk
+   ``slots`` ahead into it is queued from here (so the ring bounds the pinned memory);
+3. ``optimizer`` (a host worker): step the chunk's used pieces ([Note: host optimizer step]),
+   cast the updated masters into an outgoing ring slot;
+4. ``h2d`` (a device stream): copy the slot into the chunk's region of the parameters.
+
+The CPU implementation of the streams runs each queue on a thread, the CUDA one queues the
+copies on side streams and the host work on threads: one code path ([Note: streams]).
+``step`` returns once every gradient is in host memory (the device gradients are free for
+``zero_grad`` and the next backward: the copies run at transfer speed, not CPU-Adam speed),
+leaving per bucket the event of its update in ``Landing``. The next forward starts at once;
+each bucket's first reader waits for its landing (``Landing``): so the CPU step of the later
+buckets overlaps the forward of the earlier layers, and no parameter is read before its update
+landed (tests/dist/test_offload.py checks both with deliberately slow copies).
+
+Exact: each element goes through the same operations as without offload (the same upcast,
+scaling and clip products, the same element-wise optimizer kernel, the same cast back), so the
+parameters are bitwise those of the device step wherever the kernels are the same (on CPU) and
+within the fp32 tolerance otherwise. Host memory: 12 B/param of masters and Adam state plus
+4 B/param of fp32 gradient (this rank's slices), plus the rings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from zerodp.comm import Communicator
+from zerodp.offload.host_step import HostStepper
+from zerodp.offload.landing import Landing
+from zerodp.offload.ring import TransferRing
+from zerodp.optim.masters import Masters, ReducedGrads
+from zerodp.optim.pieces import OptimPiece
+from zerodp.optim.runner import StepRunner
+from zerodp.partition.segment import Segment
+from zerodp.streams import Event, Streams
+
+
+@dataclass(frozen=True, slots=True)
+class HostChunk:
+    seg: int
+    bucket: int
+    numel: int  # the owned region of the bucket
+    offset: int  # where it starts in the host gradient
+    pieces: tuple[tuple[int, int, int], ...]  # (index in pieces, offset in chunk, numel)
+
+
+class OffloadStep:
+    """See [Note: offloaded step]. ``device``: the runner that checks and clips on the
+    device (fp32: whole, mixed: chunked); its step is never called."""
+
+    writes_params = True  # the step copies updated parameters itself, per bucket
+
+    def __init__(
+        self,
+        segments: list[Segment],
+        pieces: list[OptimPiece],
+        masters: Masters,
+        device: StepRunner,
+        streams: Streams,
+        landing: Landing,
+        order: list[tuple[int, int]],
+        slots: int,
+    ) -> None:
+        self.segments = segments
+        self.pieces = pieces
+        self.masters = masters
+        self.device = device
+        self.streams = streams
+        self.landing = landing
+        owner = masters.owner
+        by_bucket: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for k, op in enumerate(pieces):
+            region = segments[op.seg].layout.buckets[op.piece.bucket].region(owner)
+            entry = (k, op.piece.flat_range.start - region.start, op.piece.flat_range.numel)
+            by_bucket.setdefault((op.seg, op.piece.bucket), []).append(entry)
+        self.chunks: list[HostChunk] = []
+        offset = 0
+        for s, b in order:
+            pcs = by_bucket.get((s, b))
+            if not pcs:  # nothing the optimizer steps: never updated, never copied
+                continue
+            numel = segments[s].layout.buckets[b].region(owner).numel
+            self.chunks.append(HostChunk(s, b, numel, offset, tuple(pcs)))
+            offset += numel
+        self.host_grad = torch.empty(offset, dtype=torch.float32)
+        largest = max((c.numel for c in self.chunks), default=0)
+        self.incoming = TransferRing(streams, slots, largest)
+        self.outgoing = TransferRing(streams, slots, largest)
+
+    # -- on the device, unchanged --------------------------------------------------------------
+
+    def nonfinite(self, grads: ReducedGrads, inv_scale: float) -> bool:
+        return self.device.nonfinite(grads, inv_scale)
+
+    def bind(self, used: list[list[bool]]) -> None:
+        """Nothing: the pieces are host tensors; ``.grad`` exists only inside their step, on
+        the optimizer worker (so nothing on the caller's thread may touch it)."""
+
+    def unbind(self) -> None:
+        pass
+
+    def clip(
+        self,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+        max_norm: float,
+        norm_type: float,
+        comm: Communicator,
+    ) -> torch.Tensor:
+        return self.device.clip(grads, inv_scale, used, max_norm, norm_type, comm)
+
+    def pending_factors(self) -> list[torch.Tensor]:
+        return []  # the host step applies the device runner's
+
+    def reset(self) -> None:
+        self.device.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return self.device.nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory besides the masters and optimizer state: gradient and rings."""
+        grad = self.host_grad.numel() * self.host_grad.element_size()
+        return grad + self.incoming.nbytes + self.outgoing.nbytes
+
+    # -- the pipeline ----------------------------------------------------------------------------
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+    ) -> None:
+        work = [c for c in self.chunks if any(self._used(k, used) for k, _, _ in c.pieces)]
+        if not work:
+            return
+        run = _StepRun(self, grads, HostStepper(optimizer), inv_scale, used, work)
+        unpacked = run.start()
+        unpacked.wait()  # the device gradients are free once all are in host memory
+
+    def _used(self, k: int, used: list[list[bool]]) -> bool:
+        op = self.pieces[k]
+        return used[op.seg][op.slot]
+
+
+class _StepRun:
+    """One step's pass through the pipeline. Each list entry is written by the one task that
+    produces it before any task that reads it runs (the queues run in order)."""
+
+    def __init__(
+        self,
+        runner: OffloadStep,
+        grads: ReducedGrads,
+        stepper: HostStepper,
+        inv_scale: float,
+        used: list[list[bool]],
+        work: list[HostChunk],
+    ) -> None:
+        self.r = runner
+        self.grads = grads
+        self.stepper = stepper
+        self.inv_scale = inv_scale
+        self.used = used
+        self.work = work
+        # What the device runner has not applied to the reduced gradients (clip coefficients
+        # of the chunked mixed-precision path), taken to the host once.
+        self.factors = [f.detach().to("cpu") for f in runner.device.pending_factors()]
+        streams = runner.streams
+        self.d2h, self.h2d = streams.side("offload-d2h"), streams.side("offload-h2d")
+        self.unpacker = streams.host("offload-unpack")
+        self.optimizer = streams.host("offload-optimizer")
+        self.fetched: list[Event | None] = [None] * len(work)
+        self.copied: list[Event | None] = [None] * len(work)
+
+    def start(self) -> Event:
+        """Queue every chunk; the event of the last unpack (all gradients on the host)."""
+        ready = self.r.streams.compute.submit(lambda: None)  # gradients final, params free
+        self.d2h.wait(ready)
+        self.h2d.wait(ready)
+        for k in range(min(self.r.incoming.slots, len(self.work))):
+            self.fetched[k] = self._fetch(k)
+        unpacked: Event | None = None
+        for k, chunk in enumerate(self.work):
+            unpacked = self.unpacker.submit(partial(self._unpack, k))
+            stepped = self.optimizer.submit(partial(self._update, k, unpacked))
+            self.r.landing.expect(chunk.seg, chunk.bucket, stepped)
+        assert unpacked is not None
+        return unpacked
+
+    def _fetch(self, k: int) -> Event:
+        c = self.work[k]
+        src = self.grads.grad_storage(c.seg).region(c.bucket)
+        slot = self.r.incoming.view(k, c.numel, src.dtype)
+        return self.d2h.submit(partial(slot.copy_, src, non_blocking=True), uses=[src])
+
+    def _unpack(self, k: int) -> None:
+        fetched = self.fetched[k]
+        assert fetched is not None
+        fetched.wait()
+        c = self.work[k]
+        dst = self.r.host_grad.narrow(0, c.offset, c.numel)
+        src = self.r.incoming.view(k, c.numel, self.grads.grad_storage(c.seg).data.dtype)
+        dst.copy_(src)
+        if self.inv_scale != 1.0:  # the same products, in the same order, as on the device
+            dst.mul_(self.inv_scale)
+        for f in self.factors:
+            dst.mul_(f)
+        ahead = k + self.r.incoming.slots
+        if ahead < len(self.work):  # this slot is free again
+            self.fetched[ahead] = self._fetch(ahead)
+
+    def _update(self, k: int, unpacked: Event) -> Event:
+        unpacked.wait()
+        c = self.work[k]
+        mine = [(i, off, n) for i, off, n in c.pieces if self.r._used(i, self.used)]
+        grad = self.r.host_grad.narrow(0, c.offset, c.numel)
+        pieces = [self.r.pieces[i] for i, _, _ in mine]
+        self.stepper.step(pieces, [grad.narrow(0, off, n) for _, off, n in mine])
+        slots = self.r.outgoing.slots
+        if k >= slots:  # the copy that last used this slot
+            previous = self.copied[k - slots]
+            assert previous is not None
+            previous.wait()
+        dst = self.r.segments[c.seg].param_storage(self.r.masters.owner).region(c.bucket)
+        slot = self.r.outgoing.view(k, c.numel, dst.dtype)
+        slot.copy_(self.r.masters.storage(c.seg).region(c.bucket))  # the cast to the params'
+        copied = self.h2d.submit(partial(dst.copy_, slot, non_blocking=True), uses=[dst])
+        self.copied[k] = copied
+        return copied
