@@ -55,7 +55,7 @@ from zerodp.params.sync import broadcast_segments, make_param_sync
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
-from zerodp.streams import Streams, make_streams
+from zerodp.streams import StreamError, Streams, make_streams
 from zerodp.validation import agree, check_devices, fingerprint
 from zerodp.views import CheckpointState, ParamAccess, StepCounters
 
@@ -418,7 +418,9 @@ class ZeroEngine:
         )
 
     def holdings(self) -> Holdings:
-        """What this rank holds, for the memory report."""
+        """What this rank holds, for the memory report (after the offloaded step, which
+        creates optimizer state on its worker, has finished)."""
+        self.wait_params()
         return Holdings(
             rank=self.comm.rank,
             world_size=self.comm.world_size,
@@ -435,6 +437,8 @@ class ZeroEngine:
             step_transient=self.runner.nbytes,
             optimizer=self.optimizer,
             stage3=self.param_sync.unit_bytes(),
+            offload=self.plan.offload_optimizer,
+            host=self.runner.host_nbytes,
         )
 
     @property
@@ -442,12 +446,21 @@ class ZeroEngine:
         return sum(s.numel for s in self.segments)
 
     def remove(self) -> None:
-        self.wait_params()
+        """Remove every hook; an offloaded update that failed is raised (again) after."""
+        failed: StreamError | None = None
+        try:
+            self.wait_params()
+        except StreamError as exc:
+            failed = exc
+            assert self.landing is not None
+            self.landing.abandon()  # what failed is reported once more, below
         self.param_sync.remove()
         for h in self._hooks:
             h.remove()
         if self.streams is not None:
             self.streams.close()
+        if failed is not None:
+            raise failed
 
 
 def _unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

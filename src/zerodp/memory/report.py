@@ -47,14 +47,35 @@ class MemoryReport:
     gathered_peak: int = 0  # their peak since initialize (or engine.params.gatherer.reset_peak())
     gathered_bound: int = 0  # what the schedule guarantees gathered_peak stays below
     largest_unit: int = 0  # bytes of the largest unit, gathered
+    # Optimizer offload (ZeroConfig.offload.optimizer): the optimizer state (masters included)
+    # is then in host memory, with an fp32 copy of the owned gradients and the transfer rings.
+    offload: str = "none"
+    host_gradients: int = 0
+    host_buffers: int = 0
 
     @property
     def model_states(self) -> int:
         return self.parameters + self.gradients + self.optimizer_state
 
+    @property
+    def host(self) -> int:
+        """Bytes held in host memory for the offloaded step (0 without offload)."""
+        if self.offload == "none":
+            return 0
+        return self.optimizer_state + self.host_gradients + self.host_buffers
+
+    @property
+    def device(self) -> int:
+        """Bytes held on the device: every category above that is not in host memory."""
+        total = self.model_states + self.comm_buffers + self.frozen_parameters
+        total += self.step_transient
+        return total - (self.optimizer_state if self.offload != "none" else 0)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["model_states"] = self.model_states
+        d["host"] = self.host
+        d["device"] = self.device
         return d
 
     def table(self) -> str:
@@ -72,6 +93,7 @@ class MemoryReport:
                 "optimizer state",
                 self.optimizer_state,
                 _theory_note(theory.get("optimizer_state"))
+                + (" (in host memory)" if self.offload != "none" else "")
                 + f"; fp32 masters {self.master_parameters:,} B"
                 f", step counters {self.optimizer_scalar_bytes:,} B",
             ),
@@ -97,6 +119,13 @@ class MemoryReport:
                 ("gathered now", self.gathered_now, "unit parameters gathered"),
                 ("gathered peak", self.gathered_peak, f"bound {self.gathered_bound:,} B"),
                 ("largest unit", self.largest_unit, "gathered"),
+            ]
+        if self.offload != "none":
+            rows += [
+                ("host gradients", self.host_gradients, "fp32 copy of the owned gradients"),
+                ("host rings", self.host_buffers, "transfer buffers, offload.ring_buckets"),
+                ("host total", self.host, "optimizer state + host gradients + rings"),
+                ("device total", self.device, "everything else above"),
             ]
         lines = [head]
         for label, value, note in rows:
@@ -137,6 +166,8 @@ class Holdings:
     step_transient: int
     optimizer: torch.optim.Optimizer  # its state is counted here, tensor by tensor
     stage3: dict[str, int] = field(default_factory=dict)  # MemoryReport's stage-3 fields
+    offload: str = "none"
+    host: dict[str, int] = field(default_factory=dict)  # MemoryReport's host_* fields
 
 
 def measure(held: Holdings) -> MemoryReport:
@@ -157,7 +188,9 @@ def measure(held: Holdings) -> MemoryReport:
         step_transient=held.step_transient,
         precision=held.precision,
         theory=_theory(held),
+        offload=held.offload,
         **held.stage3,
+        **held.host,
     )
 
 

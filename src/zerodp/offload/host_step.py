@@ -29,10 +29,17 @@ class HostStepper:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._groups = [_hyperparameters(g) for g in optimizer.param_groups]
         shadow = object.__new__(type(optimizer))
-        shadow.__dict__.update(optimizer.__dict__)  # shares ``state`` and ``defaults``
+        # Data only (``state``, ``defaults``, flags): an LR scheduler wraps ``optimizer.step``
+        # in an instance attribute, a closure over the user's optimizer and its live groups.
+        data = {k: v for k, v in optimizer.__dict__.items() if not callable(v)}
+        shadow.__dict__.update(data)
         shadow._optimizer_step_pre_hooks = OrderedDict()
         shadow._optimizer_step_post_hooks = OrderedDict()
         self._shadow = shadow
+        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+            # What that wrapper would have recorded: the scheduler warns on its first step
+            # unless ``optimizer.step()`` ran before it (here it runs per bucket, on a worker).
+            optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def step(self, pieces: list[OptimPiece], grads: list[torch.Tensor]) -> None:
         """One step of ``pieces`` with these gradients (host tensors), on the worker thread."""

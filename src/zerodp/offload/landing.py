@@ -34,7 +34,9 @@ class Landing:
         stepped = self._pending.get((seg, bucket))
         if stepped is None:
             return
-        self.streams.compute.wait(stepped.result())  # raises if the host work failed
+        # Raises if the host work failed, and again at every later wait: the bucket was not
+        # updated, and nothing may read it as if it had been.
+        self.streams.compute.wait(stepped.result())
         del self._pending[(seg, bucket)]
 
     def wait_segment(self, seg: int) -> None:
@@ -44,6 +46,11 @@ class Landing:
     def wait_all(self) -> None:
         for s, b in list(self._pending):
             self.wait(s, b)
+
+    def abandon(self) -> None:
+        """Forget every bucket (the engine is removed after a failure that was raised): no
+        reader waits for them any more."""
+        self._pending.clear()
 
     @property
     def pending(self) -> int:

@@ -139,10 +139,12 @@ class OffloadStep:
         return self.device.nbytes
 
     @property
-    def host_nbytes(self) -> int:
+    def host_nbytes(self) -> dict[str, int]:
         """Host memory besides the masters and optimizer state: gradient and rings."""
-        grad = self.host_grad.numel() * self.host_grad.element_size()
-        return grad + self.incoming.nbytes + self.outgoing.nbytes
+        return {
+            "host_gradients": self.host_grad.numel() * self.host_grad.element_size(),
+            "host_buffers": self.incoming.nbytes + self.outgoing.nbytes,
+        }
 
     # -- the pipeline ----------------------------------------------------------------------------
 

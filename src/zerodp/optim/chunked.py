@@ -161,6 +161,10 @@ class ChunkedGrads:
     def pending_factors(self) -> list[torch.Tensor]:
         return list(self.coefs)
 
+    @property
+    def host_nbytes(self) -> dict[str, int]:
+        return {}
+
     def reset(self) -> None:
         self.coefs = []
 

@@ -70,6 +70,11 @@ class StepRunner(Protocol):
 
     writes_params: bool  # the step writes the parameters itself (else ``publish`` does)
 
+    @property
+    def host_nbytes(self) -> dict[str, int]:
+        """Host memory held besides the masters and optimizer state, as ``MemoryReport``'s
+        ``host_*`` fields (offload; empty otherwise)."""
+
 
 class WholeStep:
     """fp32: the user's optimizer steps views of the reduced gradients."""
@@ -130,6 +135,10 @@ class WholeStep:
 
     def pending_factors(self) -> list[torch.Tensor]:
         return []  # clipping scaled the reduced gradients in place
+
+    @property
+    def host_nbytes(self) -> dict[str, int]:
+        return {}
 
     def reset(self) -> None:
         pass

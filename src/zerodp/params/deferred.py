@@ -53,7 +53,7 @@ class DeferredGather:
         self._hooks: list[Any] = []
         self.in_forward = False  # inside the root module's forward
         # Offloaded step: a bucket's slice is issued once its update landed ([Note: offloaded
-        # step] in offload/runner.py); issued in order, so every rank issues the same sequence.
+        # step] in offload/runner.py), by its first reader (``_issue_all``).
         self.landing: Landing | None = None
 
     @property
@@ -82,7 +82,7 @@ class DeferredGather:
         for h in [self._issue(s, b) for s, b in self._blocking]:
             if h is not None:
                 h.wait()
-        self._issue_landed()
+        self._issue_all()
         if not self.overlap:
             self.wait_all()
 
@@ -99,13 +99,15 @@ class DeferredGather:
         self._handles.append(self._issue(*self.order[self._issued]))
         self._issued += 1
 
-    def _issue_landed(self) -> None:
-        """Issue, in order, the buckets whose update is in place (all, without offload)."""
-        landing = self.landing
-        while self._issued < len(self.order) and (
-            landing is None or landing.landed(*self.order[self._issued])
-        ):
-            self._issue_next()
+    def _issue_all(self) -> None:
+        """Without offload every bucket is issued at once. With it, each bucket is issued by
+        its first reader (``wait_through``), after its landing: at the same point of the
+        program on every rank, never when it happens to have landed, which differs between
+        ranks and would interleave the gathers differently with other collectives (a buffer
+        broadcast), mismatching them."""
+        if self.landing is None:
+            while self._issued < len(self.order):
+                self._issue_next()
 
     def add(self, segments: list[Segment]) -> None:
         """Gather these segments too (appended to the engine's list after the hooks were
@@ -127,7 +129,6 @@ class DeferredGather:
             if handle is not None:
                 handle.wait()
             self._waited += 1
-        self._issue_landed()  # keep the gathers flowing while the forward computes
         if self._waited == len(self.order):
             self._launched = False
 
@@ -137,13 +138,16 @@ class DeferredGather:
     # -- forward pre-hooks ---------------------------------------------------------------------
 
     def register_hooks(self, model: nn.Module) -> None:
-        """A forward pre-hook on every module that registers a parameter of these segments,
-        waiting for the last-issued bucket among its parameters' buckets."""
+        """Root hooks tracking ``in_forward`` (reads through the model inside the forward do not
+        wait for everything: each module waits for its own buckets, stage 3's units for their
+        landing), and, overlapping, a forward pre-hook on every module that registers a
+        parameter of these segments, waiting for the last-issued bucket among its parameters'
+        buckets."""
+        self._hooks.append(model.register_forward_pre_hook(self._enter, prepend=True))
+        self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
         if not self.overlap or not (self._gathers or self.landing is not None):
             return
         position = self._positions()
-        self._hooks.append(model.register_forward_pre_hook(self._enter, prepend=True))
-        self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
         for module in model.modules():
             needed = [position[id(p)] for p in module._parameters.values() if id(p) in position]
             if needed:

@@ -181,7 +181,8 @@ class ShardedParamSync:
         self.gather.add(new)
 
     def install(self, model: nn.Module) -> None:
-        pass  # persistent parameters are gathered inside the step, not waited for
+        # Persistent parameters are gathered inside the step: only ``in_forward`` is tracked.
+        self.gather.register_hooks(model)
 
     def guard(self, model: nn.Module) -> list[Any]:
         return [model.register_forward_pre_hook(refuse_compile, prepend=True)]
