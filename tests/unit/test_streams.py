@@ -135,3 +135,26 @@ def test_only_the_stream_owner_creates_streams_and_events():
     )
     owner = (SRC / "streams" / "cuda.py").read_text(encoding="utf-8")
     assert pattern.search(owner)  # the pattern does match the owner's own code
+
+
+def test_host_workers_are_threads_that_wait_for_device_work(streams):
+    """A host worker runs on its own thread on every device (a CPU optimizer step must not hold
+    up the caller) and may wait for a side stream's event."""
+    side, host = streams.side("copy"), streams.host("cpu-work")
+    assert streams.host("cpu-work") is host and host is not streams.side("cpu-work")
+    src = torch.full((1 << 12,), 2.0, device=streams.device)
+    dst = streams.host_empty(src.numel(), torch.float32)
+    copied = side.submit(lambda: dst.copy_(src, non_blocking=True), uses=[src])
+    caller = threading.get_ident()
+    release = threading.Event()
+
+    def work() -> tuple[int, float]:
+        copied.wait()
+        release.wait(10)
+        return threading.get_ident(), float(dst.sum())
+
+    done = host.submit(work)
+    assert not done.done()  # the caller goes on while the host worker waits
+    release.set()
+    thread, total = done.result()
+    assert thread != caller and total == 2.0 * src.numel()
