@@ -96,6 +96,40 @@ def test_report_holds_measured_and_theoretical_figures(
 
 
 @pytest.mark.timeout(200)
+def test_offload_optimizer_cpu_trains_exactly_as_without_it(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """``--stage 2 --offload-optimizer cpu``: the optimizer state and step in host memory. The
+    run finishes, its report shows the config's offload and the host memory, and its losses are
+    exactly the first run's (same seed, data and stage, without offload)."""
+    root, first = first_run
+    _ok(first)
+    out = root / "offload"
+    offload = ["--stage", "2", "--offload-optimizer", "cpu"]
+    proc = _ok(_zerodp_train([*TINY, "--steps", "3", *offload, "--out", str(out)], root))
+    report = _report(out)
+    assert report["options"]["offload_optimizer"] == "cpu"
+    (run,) = report["runs"]
+    assert run["stage"] == 2 and run["status"] == "ok"
+    assert run["config"]["stage"] == 2
+    assert run["config"]["offload"] == {
+        "optimizer": "cpu",
+        "params": "none",
+        "path": None,
+        "ring_buckets": 4,
+    }
+    assert [m["rank"] for m in run["memory_report"]] == [0, 1]
+    for memory in run["memory_report"]:
+        assert memory["offload"] == "cpu"
+        assert memory["host"] > memory["optimizer_state"] > 0  # plus host gradients and rings
+    (plain,) = _report(root / "run")["runs"]
+    assert plain["config"]["offload"]["optimizer"] == "none"
+    assert len(run["curves"]["loss"]) == 3
+    assert run["curves"]["loss"] == plain["curves"]["loss"]
+    assert f"Report: {out / 'report.json'}" in proc.stdout
+
+
+@pytest.mark.timeout(200)
 def test_failing_rank_stops_the_run_and_shows_its_error(tmp_path: Path) -> None:
     proc = _zerodp_train(
         [*TINY, "--steps", "3", "--out", str(tmp_path / "run")], tmp_path, {FAIL_AT_ENV: "1:1"}

@@ -30,7 +30,7 @@ from zerodp.apps.train.options import (
     TrainOptions,
     under_torchrun,
 )
-from zerodp.config import PRECISIONS, STAGES, ZeroConfig
+from zerodp.config import PRECISIONS, STAGES, TIERS, OffloadConfig, ZeroConfig
 
 _DEFAULTS = TrainOptions()
 
@@ -61,6 +61,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=d.bucket_mb,
         metavar="MIB",
         help="gradient bucket size in MiB (default: ZeroConfig's 32, at most 1/8 of the model)",
+    )
+    zero.add_argument(
+        "--offload-optimizer",
+        choices=TIERS,
+        default=d.offload_optimizer,
+        help="where the fp32 masters and optimizer state live and the step runs: cpu = host "
+        "memory (stages 1-3); nvme = files under --offload-dir (default %(default)s)",
+    )
+    zero.add_argument(
+        "--offload-params",
+        choices=TIERS,
+        default=d.offload_params,
+        help="stage 3: where the parameter shards rest between uses (default %(default)s)",
+    )
+    zero.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        default=d.offload_dir,
+        help="directory on a local disk for the nvme tier's files (only with nvme)",
     )
     zero.add_argument(
         "--compare-stages",
@@ -152,6 +171,9 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         clip=args.clip,
         lr=args.lr,
         bucket_mb=args.bucket_mb,
+        offload_optimizer=args.offload_optimizer,
+        offload_params=args.offload_params,
+        offload_dir=args.offload_dir,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),
@@ -166,15 +188,49 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
 def check_options(options: TrainOptions) -> None:
     """Reject, before any rank starts, options that cannot run together (``ZeroConfig`` checks
     its own fields here too, so that a bad one is a usage error, not one error per rank)."""
+    if options.compare_stages:
+        _check_offload_compares(options)
     for stage in options.stages:
-        ZeroConfig(
-            stage=stage, precision=options.precision, bucket_bytes=options.bucket_bytes_for(1)
-        )
+        options.zero_config(stage, param_bytes=1)
     wants_checkpoints = options.checkpoint_dir is not None or options.resume is not None
     if wants_checkpoints and options.compare_stages:
         raise ValueError("--checkpoint-dir/--resume apply to one stage, not --compare-stages")
     if options.checkpoint_every and options.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to save)")
+
+
+def _check_offload_compares(options: TrainOptions) -> None:
+    """``--compare-stages`` trains every stage: an offload flag that one of them cannot take is
+    refused here, naming the flag and those stages (``ZeroConfig`` decides which can)."""
+    offload = options.offload_config()  # its own rules first (--offload-dir), with its message
+    for flag, field in (("--offload-optimizer", "optimizer"), ("--offload-params", "params")):
+        tier = getattr(offload, field)
+        if tier == "none":
+            continue
+        path = offload.path if tier == "nvme" else None
+        alone = OffloadConfig(**{field: tier}, path=path)
+        takes = [s for s in STAGES if _stage_takes(s, alone)]
+        refused = [s for s in options.stages if s not in takes]
+        if refused:
+            raise ValueError(
+                f"{flag} {tier} needs stage {_join(takes, 'or')}, but --compare-stages also "
+                f"trains stage{'s' if len(refused) > 1 else ''} {_join(refused, 'and')}: "
+                f"drop {flag} or --compare-stages"
+            )
+
+
+def _stage_takes(stage: int, offload: OffloadConfig) -> bool:
+    try:
+        ZeroConfig(stage=stage, offload=offload)
+    except ValueError:
+        return False
+    return True
+
+
+def _join(items: Sequence[int], last: str) -> str:
+    """``[1, 2, 3], "or"`` -> ``"1, 2 or 3"``."""
+    words = [str(i) for i in items]
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
 
 
 def _resume_path(resume: str | None, checkpoint_dir: str | None) -> str | None:

@@ -120,12 +120,7 @@ def _train_stage(
     largest_unit = _largest_unit_params(gpt)
     inner = torch.optim.AdamW(gpt.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     param_bytes = num_parameters(gpt) * dtype_bytes(options.precision)
-    config = zerodp.ZeroConfig(
-        stage=stage,
-        precision=options.precision,
-        bucket_bytes=options.bucket_bytes_for(param_bytes),
-    )
-    model, opt = zerodp.initialize(gpt, inner, config)
+    model, opt = zerodp.initialize(gpt, inner, options.zero_config(stage, param_bytes))
     first_step = resume(options, model, opt)
     curves = run_steps(options, stage, ctx, data, model, opt, first_step)
     result = _gather_result(stage, ctx, opt, curves)
@@ -165,6 +160,7 @@ def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Cur
         element_size=dtype_bytes(opt.config.precision.compute),
         reduce_element_size=dtype_bytes(opt.config.precision.reduce),
         bucket_bytes=opt.config.bucket_bytes,
+        config=opt.config.to_dict(),
         memory=[g[1] for g in gathered],
         comm=stats.to_dict() if stats is not None else None,
         comm_volumes=curves.volumes,

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config import ZeroConfig
+from zerodp.config import OffloadConfig, ZeroConfig
 
 DEFAULT_CPU_WORLD_SIZE = 2
 
@@ -43,6 +43,9 @@ class TrainOptions:
     clip: float = 1.0
     lr: float = 1e-3
     bucket_mb: float | None = None  # None: see bucket_bytes_for
+    offload_optimizer: str = "none"  # ZeroConfig.offload.optimizer
+    offload_params: str = "none"  # ZeroConfig.offload.params
+    offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -58,6 +61,23 @@ class TrainOptions:
         if self.bucket_mb is not None:
             return max(1, int(self.bucket_mb * MIB))
         return max(MIN_AUTO_BUCKET_BYTES, min(DEFAULT_BUCKET_BYTES, param_bytes // 8))
+
+    def offload_config(self) -> OffloadConfig:
+        """``--offload-optimizer``, ``--offload-params`` and ``--offload-dir``, validated
+        (``ValueError`` with ``OffloadConfig``'s message)."""
+        return OffloadConfig(
+            optimizer=self.offload_optimizer, params=self.offload_params, path=self.offload_dir
+        )
+
+    def zero_config(self, stage: int, param_bytes: int) -> ZeroConfig:
+        """The ``ZeroConfig`` of ``stage``'s run for a model of ``param_bytes`` (the one place
+        the options become a config: the ranks build it, the launcher checks it up front)."""
+        return ZeroConfig(
+            stage=stage,
+            precision=self.precision,
+            bucket_bytes=self.bucket_bytes_for(param_bytes),
+            offload=self.offload_config(),
+        )
 
     @property
     def warmup_steps(self) -> int:

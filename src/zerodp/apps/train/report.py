@@ -94,6 +94,7 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
         num_params=run.num_params,
         first_step=run.first_step,
         tokens_per_step=run.tokens_per_step,
+        config=run.config,
         loss=loss_summary(run.losses),
         curves={"loss": run.losses, "grad_norm": run.grad_norms, "lr": run.lrs},
         throughput=throughput(run.step_times, run.tokens_per_step),

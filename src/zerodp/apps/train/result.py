@@ -29,6 +29,7 @@ class RunResult:
     element_size: int = 4  # bytes of one parameter element (the compute dtype)
     reduce_element_size: int = 4  # bytes of one element gradients are reduced in
     bucket_bytes: int = 0
+    config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig.to_dict() of the run
     largest_unit_bytes: int = 0  # the largest stage-3 gather unit, in parameter bytes
     memory: list[dict[str, Any]] = field(default_factory=list)  # MemoryReport.to_dict() per rank
     comm: dict[str, Any] | None = None  # CommStats.to_dict() of the last step

@@ -1,0 +1,207 @@
+"""``ZeroConfig.offload`` (``OffloadConfig``): every rule's exact message, the stage-dependent
+rules of ``check_offload_stage``, and the dict / JSON form.
+
+That ``zerodp.initialize`` refuses the tiers not built yet, touching nothing, is checked with a
+process group in tests/dist/test_offload_refused.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerodp import OffloadConfig, ZeroConfig
+from zerodp.config.offload import check_offload_stage
+
+
+def _message(make: Callable[[], object]) -> str:
+    with pytest.raises(ValueError) as err:
+        make()
+    return str(err.value)
+
+
+# -- OffloadConfig's own rules ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"optimizer": "gpu"},
+            "ZeroConfig.offload.optimizer must be one of 'none', 'cpu', 'nvme'; got 'gpu'",
+        ),
+        (
+            {"optimizer": None},
+            "ZeroConfig.offload.optimizer must be one of 'none', 'cpu', 'nvme'; got None",
+        ),
+        (
+            {"params": "disk"},
+            "ZeroConfig.offload.params must be one of 'none', 'cpu', 'nvme'; got 'disk'",
+        ),
+        ({"ring_buckets": 0}, "ZeroConfig.offload.ring_buckets must be a positive integer; got 0"),
+        (
+            {"ring_buckets": -1},
+            "ZeroConfig.offload.ring_buckets must be a positive integer; got -1",
+        ),
+        (
+            {"ring_buckets": True},
+            "ZeroConfig.offload.ring_buckets must be a positive integer; got True",
+        ),
+        (
+            {"ring_buckets": 2.0},
+            "ZeroConfig.offload.ring_buckets must be a positive integer; got 2.0",
+        ),
+        (
+            {"optimizer": "nvme", "path": 5},
+            "ZeroConfig.offload.path must be a directory; got 5",
+        ),
+        (
+            {"optimizer": "nvme", "path": Path("/x")},
+            "ZeroConfig.offload.path must be a directory; got PosixPath('/x')",
+        ),
+        (
+            {"optimizer": "nvme"},
+            "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a "
+            "local disk for the offloaded state",
+        ),
+        (
+            {"params": "nvme", "path": ""},
+            "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a "
+            "local disk for the offloaded state",
+        ),
+        (
+            {"path": "/x"},
+            "ZeroConfig.offload.path='/x' is only used by the 'nvme' tier, but "
+            "ZeroConfig.offload.optimizer='none' and ZeroConfig.offload.params='none': drop it "
+            "or choose 'nvme'",
+        ),
+        (
+            {"optimizer": "cpu", "params": "cpu", "path": "/x"},
+            "ZeroConfig.offload.path='/x' is only used by the 'nvme' tier, but "
+            "ZeroConfig.offload.optimizer='cpu' and ZeroConfig.offload.params='cpu': drop it "
+            "or choose 'nvme'",
+        ),
+    ],
+)
+def test_offload_config_rules(kwargs: dict[str, Any], message: str) -> None:
+    assert _message(lambda: OffloadConfig(**kwargs)) == message
+
+
+def test_valid_offload_configs() -> None:
+    assert OffloadConfig() == OffloadConfig(
+        optimizer="none", params="none", path=None, ring_buckets=4
+    )
+    assert not OffloadConfig().optimizer_offloaded and not OffloadConfig().params_offloaded
+    cpu = OffloadConfig(optimizer="cpu", ring_buckets=1)
+    assert cpu.optimizer_offloaded and not cpu.params_offloaded
+    # nvme for either one takes the path; the other may then be on any tier.
+    mixed = OffloadConfig(optimizer="cpu", params="nvme", path="/x")
+    assert mixed.optimizer_offloaded and mixed.params_offloaded and mixed.path == "/x"
+
+
+def test_offload_has_no_shorthand() -> None:
+    not_a_policy: Any = "cpu"
+    assert _message(lambda: ZeroConfig(offload=not_a_policy)) == (
+        "ZeroConfig.offload must be a OffloadConfig; got 'cpu'"
+    )
+
+
+# -- the stage rules (check_offload_stage, called by ZeroConfig) ---------------------------------
+
+OPTIMIZER_AT_STAGE_0 = (
+    "ZeroConfig.offload.optimizer={tier!r} needs stage 1, 2 or 3 (stage 0 keeps the whole "
+    "optimizer state on every rank): set stage >= 1"
+)
+PARAMS_BELOW_STAGE_3 = (
+    "ZeroConfig.offload.params={tier!r} needs stage 3 (only stage 3 shards the parameters); "
+    "got stage {stage}"
+)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_optimizer_offload_needs_stage_1_to_3(tier: str) -> None:
+    path = "/x" if tier == "nvme" else None
+    offload = OffloadConfig(optimizer=tier, path=path)
+    expected = OPTIMIZER_AT_STAGE_0.format(tier=tier)
+    assert _message(lambda: ZeroConfig(stage=0, offload=offload)) == expected
+    assert _message(lambda: check_offload_stage(offload, 0)) == expected
+    for stage in (1, 2, 3):
+        check_offload_stage(offload, stage)
+        assert ZeroConfig(stage=stage, offload=offload).offload is offload
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_params_offload_needs_stage_3(tier: str) -> None:
+    path = "/x" if tier == "nvme" else None
+    offload = OffloadConfig(params=tier, path=path)
+    for stage in (0, 1, 2):
+        expected = PARAMS_BELOW_STAGE_3.format(tier=tier, stage=stage)
+        assert _message(partial(ZeroConfig, stage=stage, offload=offload)) == expected
+        assert _message(partial(check_offload_stage, offload, stage)) == expected
+    check_offload_stage(offload, 3)
+    assert ZeroConfig(stage=3, offload=offload).offload is offload
+
+
+def test_optimizer_rule_is_checked_before_the_params_rule() -> None:
+    both = OffloadConfig(optimizer="cpu", params="cpu")
+    assert _message(lambda: check_offload_stage(both, 0)) == OPTIMIZER_AT_STAGE_0.format(tier="cpu")
+    assert _message(lambda: check_offload_stage(both, 1)) == PARAMS_BELOW_STAGE_3.format(
+        tier="cpu", stage=1
+    )
+
+
+def test_without_offload_every_stage_is_accepted() -> None:
+    for stage in (0, 1, 2, 3):
+        check_offload_stage(OffloadConfig(), stage)
+        assert ZeroConfig(stage=stage).offload == OffloadConfig()
+
+
+# -- the dict and JSON form ---------------------------------------------------------------------
+
+NVME = {"optimizer": "nvme", "params": "nvme", "path": "/x"}
+
+
+def test_from_dict_nested_offload_and_round_trip(tmp_path: Path) -> None:
+    config = ZeroConfig.from_dict({"stage": 3, "offload": dict(NVME)})
+    assert config.stage == 3
+    assert config.offload == OffloadConfig(
+        optimizer="nvme", params="nvme", path="/x", ring_buckets=4
+    )
+    d = config.to_dict()
+    assert d["offload"] == {**NVME, "ring_buckets": 4}
+    assert ZeroConfig.from_dict(d) == config
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(d), encoding="utf-8")
+    assert ZeroConfig.from_json(path) == config
+
+
+def test_partial_offload_dict_keeps_the_other_defaults() -> None:
+    config = ZeroConfig.from_dict({"stage": 1, "offload": {"optimizer": "cpu"}})
+    assert config.offload == OffloadConfig(optimizer="cpu")
+    assert ZeroConfig.from_dict({}).offload == OffloadConfig()
+
+
+def test_unknown_offload_field_is_refused() -> None:
+    values = {"stage": 2, "offload": {"optimiser": "cpu", "pin_memory": True}}
+    assert _message(lambda: ZeroConfig.from_dict(values)) == (
+        "ZeroConfig.offload got unknown field(s) ['optimiser', 'pin_memory']; allowed fields: "
+        "['optimizer', 'params', 'path', 'ring_buckets']"
+    )
+
+
+def test_offload_dict_is_validated_like_the_constructor() -> None:
+    assert _message(lambda: ZeroConfig.from_dict({"offload": "cpu"})) == (
+        "ZeroConfig.offload must be a OffloadConfig; got 'cpu'"
+    )
+    assert _message(
+        lambda: ZeroConfig.from_dict({"stage": 2, "offload": {"params": "cpu"}})
+    ) == PARAMS_BELOW_STAGE_3.format(tier="cpu", stage=2)
+    assert _message(lambda: ZeroConfig.from_dict({"offload": {"params": "nvme"}})) == (
+        "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a local "
+        "disk for the offloaded state"
+    )
