@@ -277,6 +277,8 @@ def test_host_bytes_are_exact(world, stage, precision):
         moments = r["optimizer_state"] - r["master_parameters"] - r["optimizer_scalar_bytes"]
         assert moments == 8 * owned
         assert r["host_buffers"] == 2 * 3 * 4 * largest
+        # The paper's K = 12 at every precision: offloaded masters are a copy, even in fp32.
+        assert r["theory"]["optimizer_state"] == 12 * r["num_params"] / 2
         assert r["host"] == r["optimizer_state"] + r["host_gradients"] + r["host_buffers"]
         device = r["parameters"] + r["gradients"] + r["comm_buffers"] + r["step_transient"]
         assert r["device"] == device + r["frozen_parameters"]

@@ -73,8 +73,11 @@ def dtype_bytes(precision: str) -> int:
     return _DTYPE_BYTES[precision]
 
 
-def optimizer_multiplier(optimizer: str, precision: str, *, k: float | None = None) -> float:
-    """The paper's K: optimizer-state bytes per parameter, fp32 master copy included.
+def optimizer_multiplier(
+    optimizer: str, precision: str, *, k: float | None = None, offload: bool = False
+) -> float:
+    """The paper's K: optimizer-state bytes per parameter, fp32 master copy included (also in
+    fp32 when the optimizer is offloaded: the host masters are then a copy of the parameters).
 
     ``k`` overrides the table (for an optimizer not listed, or a non-default configuration).
     """
@@ -85,7 +88,7 @@ def optimizer_multiplier(optimizer: str, precision: str, *, k: float | None = No
     if optimizer not in OPTIMIZER_STATE_BYTES:
         allowed = ", ".join(OPTIMIZER_STATE_BYTES)
         raise ValueError(f"optimizer must be one of {allowed}; got {optimizer!r}")
-    master = 0 if dtype_bytes(precision) == 4 else _MASTER_COPY_BYTES
+    master = 0 if dtype_bytes(precision) == 4 and not offload else _MASTER_COPY_BYTES
     return float(OPTIMIZER_STATE_BYTES[optimizer] + master)
 
 

@@ -205,7 +205,9 @@ def _theory(held: Holdings) -> ModelStateBytes | None:
         held.stage,
         param_bytes=elsize,
         grad_bytes=elsize,
-        optimizer_bytes_per_param=optimizer_multiplier(name, held.precision),
+        optimizer_bytes_per_param=optimizer_multiplier(
+            name, held.precision, offload=held.offload != "none"
+        ),
     )
 
 
