@@ -225,12 +225,17 @@ def _build_zro(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer
     return DDPPeer(module, ddp, opt, options.precision == "bf16")
 
 
-def _build_zerodp(stage: int) -> Callable[[nn.Module, RankInfo, BenchOptions], Peer]:
+def _build_zerodp(
+    stage: int, offload: str = "none"
+) -> Callable[[nn.Module, RankInfo, BenchOptions], Peer]:
     def build(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
         import zerodp
 
         config = zerodp.ZeroConfig(
-            stage=stage, precision=options.precision, bucket_bytes=options.bucket_bytes
+            stage=stage,
+            precision=options.precision,
+            bucket_bytes=options.bucket_bytes,
+            offload=zerodp.OffloadConfig(optimizer=offload),
         )
         model, opt = zerodp.initialize(module, _adamw(module.parameters(), options), config)
         return ZerodpPeer(module, model, opt, autocast=False)
@@ -270,6 +275,7 @@ BUILDERS: dict[str, Callable[[nn.Module, RankInfo, BenchOptions], Peer]] = {
     "plain": _build_plain,
     "zro": _build_zro,
     **{f"zero{s}": _build_zerodp(s) for s in range(4)},
+    **{f"zero{s}-offload": _build_zerodp(s, "cpu") for s in (2, 3)},
     "fsdp2": _build_fsdp2(True),
     "fsdp2-noreshard": _build_fsdp2(False),
     **{f"deepspeed{s}": _build_deepspeed(s) for s in (1, 2, 3)},

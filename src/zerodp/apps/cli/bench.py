@@ -2,7 +2,8 @@
 
 Configurations (``--configs``, default all): ``ddp`` (DistributedDataParallel, the reference),
 ``plain`` (no wrapper; world size 1 only, "not available" otherwise), ``zero0``-``zero3``
-(zerodp), ``zro`` (torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard``
+(zerodp), ``zero2-offload`` / ``zero3-offload`` (zerodp with the optimizer offloaded to the
+CPU), ``zro`` (torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard``
 (``fully_shard`` per transformer block then the root, reshard_after_forward True / False),
 ``deepspeed1``-``deepspeed3`` (only where ``import deepspeed`` works: an optional extra, "not
 installed" otherwise).
