@@ -338,3 +338,38 @@ def test_checkpoints_of_offloaded_runs_load_anywhere(world, tmp_path, stage, res
     (first, want), *others = resumed.items()
     for what, got in others:
         assert all(torch.equal(want[n], got[n]) for n in want), f"{what} differs from {first}"
+
+
+# -- parameters adopted after initialize --------------------------------------------------------
+
+
+def _train_unfrozen(stage: int, offload: str) -> dict[str, torch.Tensor]:
+    """``blocks.1`` frozen at ``initialize``, unfrozen after step 1; ``ln_f`` added as a new
+    param group after step 2."""
+    model = _gpt()
+    frozen = model.blocks[1]
+    frozen.requires_grad_(False)
+    head = [p for n, p in model.named_parameters() if n.startswith("ln_f")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("ln_f")]
+    inner = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1)
+    model, opt = zerodp.initialize(model, inner, _config(stage, "bf16", offload))
+    for step in range(4):
+        if step == 1:
+            frozen.requires_grad_(True)
+        if step == 2:
+            opt.add_param_group({"params": head, "lr": 1e-2, "weight_decay": 0.0})
+        _step(model, opt, step)
+    with zerodp.full_parameters(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return params
+
+
+def case_adopted(stage: int) -> list[str]:
+    want, got = _train_unfrozen(stage, "none"), _train_unfrozen(stage, "cpu")
+    return [n for n in want if not torch.equal(want[n], got[n])]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_unfrozen_or_added_later_are_offloaded_too(world, stage):
+    assert world(2).run(case_adopted, stage, timeout=TIMEOUT) == [[], []]
