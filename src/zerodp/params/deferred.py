@@ -15,6 +15,12 @@ gradients, see ``ZeroEngine._build_segments``), so forward, which runs roughly i
 order, needs the *last* bucket first: buckets are issued last to first. A wrong guess costs only
 overlap, never correctness, since every module waits for what it reads.
 
+With the optimizer offloaded ([Note: offloaded step] in offload/runner.py) a bucket's owned
+slice is final only once its update landed from the host, so nothing is issued at ``launch``:
+each module's pre-hook issues the buckets up to its own, each after its landing. The issue
+points are then the same on every rank (a bucket issued whenever it happens to land would
+interleave differently with other collectives on each rank).
+
 Everything else that reads parameters or writes the owned slices waits for the whole gather
 first (``wait_all``): the next ``step`` (the optimizer writes the owned slices a gather may
 still be sending), checkpoints, ``full_parameters``, and reads through the model
@@ -37,7 +43,8 @@ class DeferredGather:
     """Per-bucket all-gathers of the owned slices of plain (unsharded) segments."""
 
     def __init__(self, segments: list[Segment], comm: Communicator, *, overlap: bool) -> None:
-        self.segments = segments
+        # A copy: positions here are this gather's own, and ``add`` appends to it.
+        self.segments = list(segments)
         self.comm = comm
         self.overlap = overlap
         self.order = [
@@ -63,8 +70,8 @@ class DeferredGather:
 
     @property
     def issue_order(self) -> list[tuple[int, int]]:
-        """The buckets in the order a launch issues them."""
-        return [*self._blocking, *self.order]
+        """(segment index in the engine, bucket) in the order a launch issues them."""
+        return [(self.segments[s].index, b) for s, b in [*self._blocking, *self.order]]
 
     @property
     def _gathers(self) -> bool:
@@ -88,7 +95,7 @@ class DeferredGather:
 
     def _issue(self, s: int, b: int) -> Handle | None:
         if self.landing is not None:
-            self.landing.wait(s, b)
+            self.landing.wait(self.segments[s].index, b)  # landings are by engine index
         if not self._gathers:
             return None
         flat = self.segments[s].flat
@@ -113,7 +120,7 @@ class DeferredGather:
         """Gather these segments too (appended to the engine's list after the hooks were
         registered: unfrozen parameters), blocking, before the overlapped buckets."""
         first = len(self.segments)
-        self.segments = [*self.segments, *segments]
+        self.segments += segments
         for s in range(first, len(self.segments)):
             self._blocking += [(s, b) for b in range(len(self.segments[s].layout.buckets))]
 
