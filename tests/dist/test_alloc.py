@@ -34,8 +34,8 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.memory.alloc_trace import AllocationTrace
 from zerodp.apps.models.gpt import GPT, get_config
+from zerodp.memory.alloc_trace import AllocationTrace
 
 TIMEOUT = 180.0
 WORLD = 2
@@ -67,7 +67,9 @@ def case_steps(stage: int, precision: str) -> dict[str, Any]:
     steps = []
     for _ in range(WARMUP + STEADY):
         with AllocationTrace() as trace:
-            trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step, zopt.wait_params)
+            trace.step(
+                zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step, zopt.wait_params
+            )
         allocs = trace.allocations
         engine = [a for a in allocs if a.phase in ("zero_grad", "step")]
         steps.append(

@@ -220,7 +220,7 @@ def case_uneven_eval(stage: int) -> list[int]:
     for k, x in enumerate(_eval_batches(rank)):
         with torch.no_grad() if k % 2 == 0 else torch.enable_grad():
             out = model(x)
-        torch.testing.assert_close(out, ref(x), msg=lambda m: f"rank {rank} batch {k}: {m}")
+        torch.testing.assert_close(out, ref(x), msg=lambda m, k=k: f"rank {rank} batch {k}: {m}")
         done.append(k)
     model.train()
     F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
@@ -297,7 +297,7 @@ def case_buffers(stage: int) -> list[float]:
     model.train()
     seen = [model.scale.item()]
     model(x).sum().backward()
-    return seen + [model.scale.item()]
+    return [*seen, model.scale.item()]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

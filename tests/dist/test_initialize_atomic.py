@@ -28,8 +28,8 @@ import zerodp
 from zerodp import api, engine
 from zerodp.grads.reducer import GradReducer
 from zerodp.optim import compute_dtype, runner
-from zerodp.params.deferred import DeferredGather
 from zerodp.params import sync as param_sync
+from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams
 from zerodp.partition.segment import Segment
 
