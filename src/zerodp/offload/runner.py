@@ -46,6 +46,7 @@ from zerodp.comm import Communicator
 from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
+from zerodp.optim.chunked import pieces_by_chunk
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.optim.runner import StepRunner
@@ -86,11 +87,7 @@ class OffloadStep:
         self.streams = streams
         self.landing = landing
         owner = masters.owner
-        by_bucket: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for k, op in enumerate(pieces):
-            region = segments[op.seg].layout.buckets[op.piece.bucket].region(owner)
-            entry = (k, op.piece.flat_range.start - region.start, op.piece.flat_range.numel)
-            by_bucket.setdefault((op.seg, op.piece.bucket), []).append(entry)
+        by_bucket = pieces_by_chunk(segments, pieces, owner)
         self.chunks: list[HostChunk] = []
         offset = 0
         for s, b in order:

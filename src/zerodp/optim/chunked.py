@@ -46,6 +46,22 @@ class Chunk:
     pieces: tuple[tuple[int, int, int], ...]  # (index in pieces, offset in chunk, numel)
 
 
+ChunkPieces = dict[tuple[int, int], list[tuple[int, int, int]]]
+
+
+def pieces_by_chunk(
+    segments: list[Segment], pieces: list[OptimPiece], owner: int | None
+) -> ChunkPieces:
+    """(segment, bucket) -> the pieces in what ``owner`` steps of that bucket (a *chunk*, [Note:
+    flat and shard buffers]): (index in ``pieces``, offset in the chunk, numel)."""
+    out: ChunkPieces = {}
+    for k, op in enumerate(pieces):
+        region = segments[op.seg].layout.buckets[op.piece.bucket].region(owner)
+        entry = (k, op.piece.flat_range.start - region.start, op.piece.flat_range.numel)
+        out.setdefault((op.seg, op.piece.bucket), []).append(entry)
+    return out
+
+
 class ChunkedGrads:
     """See [Note: chunked fp32 gradients]."""
 
@@ -57,12 +73,7 @@ class ChunkedGrads:
         self.segments = segments
         self.pieces = pieces
         self.sharded = owner is not None  # each rank steps its slices (stages 1-3)
-        # A chunk is what the owner steps of one bucket ([Note: flat and shard buffers]).
-        by_bucket: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for k, op in enumerate(pieces):
-            region = segments[op.seg].layout.buckets[op.piece.bucket].region(owner)
-            entry = (k, op.piece.flat_range.start - region.start, op.piece.flat_range.numel)
-            by_bucket.setdefault((op.seg, op.piece.bucket), []).append(entry)
+        by_bucket = pieces_by_chunk(segments, pieces, owner)
         self.chunks: list[Chunk] = []
         for i, seg in enumerate(segments):
             for bucket in seg.layout.buckets:
