@@ -57,7 +57,7 @@ from zerodp.params.sync import broadcast_segments, make_param_sync
 from zerodp.partition.build import build_segments
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan, resolve
-from zerodp.streams import StreamError, Streams, make_streams
+from zerodp.streams import StreamError, make_streams
 from zerodp.validation import agree, check_devices, fingerprint
 from zerodp.views import CheckpointState, ParamAccess, StepCounters
 
@@ -120,8 +120,7 @@ class ZeroEngine:
         )
         # The offloaded step's streams and landings ([Note: offloaded step] in offload/).
         device = self.segments[0].device if self.segments else torch.device("cpu")
-        self.streams: Streams | None = make_streams(device) if offload else None
-        self.landing: Landing | None = None if self.streams is None else Landing(self.streams)
+        self.landing: Landing | None = Landing(make_streams(device)) if offload else None
         self._hooks: list[Any] = []
         self._hooks += self.cast.install(model, self.segments, self.frozen)
         self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
@@ -199,10 +198,10 @@ class ZeroEngine:
             sharded=self.plan.shard_optimizer,
             rank=self.comm.rank,
         )
-        if self.streams is None or self.landing is None:
+        if self.landing is None:
             return runner
         order = self.param_sync.update_order()
-        args = (self.segments, self.pieces, self.masters, runner, self.streams, self.landing)
+        args = (self.segments, self.pieces, self.masters, runner, self.landing)
         return OffloadStep(*args, order, self.plan.offload_ring)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -357,6 +356,11 @@ class ZeroEngine:
         every bucket's update: afterwards every parameter (and master) holds its updated
         value. Idempotent and cheap when nothing is in flight."""
         self.param_gather.wait_all()
+        self.wait_optimizer()
+
+    def wait_optimizer(self) -> None:
+        """Wait for the offloaded step to finish writing masters and optimizer state. Local:
+        unlike ``wait_params`` it issues no collective, so one rank alone may call it."""
         if self.landing is not None:
             self.landing.wait_all()
 
@@ -422,7 +426,7 @@ class ZeroEngine:
     def holdings(self) -> Holdings:
         """What this rank holds, for the memory report (after the offloaded step, which
         creates optimizer state on its worker, has finished)."""
-        self.wait_params()
+        self.wait_optimizer()
         return Holdings(
             rank=self.comm.rank,
             world_size=self.comm.world_size,
@@ -459,8 +463,8 @@ class ZeroEngine:
         self.param_sync.remove()
         for h in self._hooks:
             h.remove()
-        if self.streams is not None:
-            self.streams.close()
+        if self.landing is not None:
+            self.landing.streams.close()
         if failed is not None:
             raise failed
 

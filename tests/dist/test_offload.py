@@ -382,3 +382,25 @@ def case_adopted(stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_parameters_unfrozen_or_added_later_are_offloaded_too(world, stage):
     assert world(2).run(case_adopted, stage, timeout=TIMEOUT) == [[], []]
+
+
+def case_one_rank_reads_the_optimizer() -> list[str]:
+    """Rank 0 alone reads the memory report and the optimizer's state dict right after an
+    offloaded step (no collective may be issued by that), then both ranks go on."""
+    rank, _ = rank_world()
+    model, opt = _fresh(2, "cpu")
+    out = []
+    for step in range(3):
+        _step(model, opt, step)
+        if rank == 0:
+            report, state = opt.memory_report(), opt.state_dict()
+            counts = {int(st["step"]) for st in state["state"].values()}
+            out.append(f"{report.offload} {counts}")
+    opt.close()
+    return out
+
+
+def test_one_rank_alone_may_read_the_optimizer_after_an_offloaded_step(world):
+    """Complete (every piece's Adam step counted), and nothing hangs."""
+    first, second = world(2).run(case_one_rank_reads_the_optimizer, timeout=TIMEOUT)
+    assert first == ["cpu {1}", "cpu {2}", "cpu {3}"] and second == []

@@ -23,12 +23,6 @@ class Landing:
         """``stepped``: the host work updating this bucket; its result is the copy's event."""
         self._pending[(seg, bucket)] = stepped
 
-    def landed(self, seg: int, bucket: int) -> bool:
-        """Whether waiting for this bucket would not block (the copy may still be queued on a
-        device stream, which the compute stream then waits for without blocking the host)."""
-        stepped = self._pending.get((seg, bucket))
-        return stepped is None or stepped.done()
-
     def wait(self, seg: int, bucket: int) -> None:
         """Work on the compute stream from now on sees the bucket's updated parameters."""
         stepped = self._pending.get((seg, bucket))

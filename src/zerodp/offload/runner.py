@@ -51,7 +51,7 @@ from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.optim.runner import StepRunner
 from zerodp.partition.segment import Segment
-from zerodp.streams import Event, Streams
+from zerodp.streams import Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,6 @@ class OffloadStep:
         pieces: list[OptimPiece],
         masters: Masters,
         device: StepRunner,
-        streams: Streams,
         landing: Landing,
         order: list[tuple[int, int]],
         slots: int,
@@ -84,7 +83,7 @@ class OffloadStep:
         self.pieces = pieces
         self.masters = masters
         self.device = device
-        self.streams = streams
+        self.streams = landing.streams
         self.landing = landing
         owner = masters.owner
         by_bucket = pieces_by_chunk(segments, pieces, owner)
@@ -99,8 +98,8 @@ class OffloadStep:
             offset += numel
         self.host_grad = torch.empty(offset, dtype=torch.float32)
         largest = max((c.numel for c in self.chunks), default=0)
-        self.incoming = TransferRing(streams, slots, largest)
-        self.outgoing = TransferRing(streams, slots, largest)
+        self.incoming = TransferRing(self.streams, slots, largest)
+        self.outgoing = TransferRing(self.streams, slots, largest)
 
     # -- on the device, unchanged --------------------------------------------------------------
 

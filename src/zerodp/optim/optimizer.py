@@ -132,7 +132,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``ZeroConfig.overlap_param_gather``) and for an offloaded step still running on the
         CPU (``ZeroConfig.offload``). Only needed before reading a parameter tensor held from
         before the step outside a forward, or ``opt.state`` directly; reads through the model,
-        ``state_dict()``, checkpoints and the memory report wait by themselves."""
+        ``state_dict()``, checkpoints and the memory report wait by themselves. Offloaded at
+        stages 1-2 with several ranks, this issues the step's all-gathers: call it on every
+        rank (docs/offload.md)."""
         self._engine.wait_params()
 
     def memory_report(self) -> MemoryReport:
@@ -147,7 +149,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's shard of the optimizer state: the inner optimizer's ``state_dict`` (one
         entry per owned piece) plus which piece of which parameter each entry is. Waits for an
         offloaded step still running (it writes the state on its worker)."""
-        self._engine.wait_params()
+        self._engine.wait_optimizer()
         sd = self.inner.state_dict()
         sd["zerodp"] = self._shard_meta()
         return sd
@@ -169,7 +171,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "checkpoints to reshard"
                 )
         inner_sd = {k: v for k, v in state_dict.items() if k != "zerodp"}
-        self._engine.wait_params()  # an offloaded step must not write over what is loaded
+        self._engine.wait_optimizer()  # an offloaded step must not write over what is loaded
         self.inner.load_state_dict(inner_sd)
 
     def _shard_meta(self) -> dict[str, Any]:
