@@ -101,18 +101,15 @@ class CpuStreams:
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self._compute = InlineStream()
-        self._sides: dict[str, WorkerStream] = {}
-        self._hosts = HostWorkers()
+        self._sides = Workers()  # on the CPU a side stream is a worker thread too
+        self._hosts = Workers()
 
     @property
     def compute(self) -> InlineStream:
         return self._compute
 
     def side(self, name: str) -> WorkerStream:
-        stream = self._sides.get(name)
-        if stream is None:
-            stream = self._sides[name] = WorkerStream(name)
-        return stream
+        return self._sides.get(name)
 
     def host(self, name: str) -> WorkerStream:
         return self._hosts.get(name)
@@ -121,14 +118,13 @@ class CpuStreams:
         return torch.empty(numel, dtype=dtype)
 
     def close(self) -> None:
-        for stream in self._sides.values():
-            stream.close()
-        self._sides.clear()
+        self._sides.close()
         self._hosts.close()
 
 
-class HostWorkers:
-    """The host workers of one owner, by name (both implementations have them)."""
+class Workers:
+    """Worker threads by name, created on first use: the CPU's side streams, and the host
+    workers of both implementations."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerStream] = {}

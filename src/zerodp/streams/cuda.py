@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from zerodp.streams.base import Event, FailedEvent, StreamError, failure
-from zerodp.streams.cpu import HostWorkers, WorkerStream
+from zerodp.streams.cpu import Workers, WorkerStream
 
 
 class CudaEvent:
@@ -64,7 +64,7 @@ class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._sides: dict[str, CudaStream] = {}
-        self._hosts = HostWorkers()
+        self._hosts = Workers()
 
     @property
     def compute(self) -> CudaStream:
