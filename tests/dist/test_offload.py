@@ -404,3 +404,25 @@ def test_one_rank_alone_may_read_the_optimizer_after_an_offloaded_step(world):
     """Complete (every piece's Adam step counted), and nothing hangs."""
     first, second = world(2).run(case_one_rank_reads_the_optimizer, timeout=TIMEOUT)
     assert first == ["cpu {1}", "cpu {2}", "cpu {3}"] and second == []
+
+
+def _edited(stage: int, offload: str) -> dict[str, torch.Tensor]:
+    model, opt = _fresh(stage, offload)
+    _step(model, opt, 0)
+    with zerodp.full_parameters(model):  # weight surgery between steps reaches the masters
+        model.blocks[0].mlp.c_fc.weight.data[:3].mul_(0.5)
+    _step(model, opt, 1)
+    with zerodp.full_parameters(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return params
+
+
+def case_edits(stage: int) -> list[str]:
+    want, got = _edited(stage, "none"), _edited(stage, "cpu")
+    return [n for n in want if not torch.equal(want[n], got[n])]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_edits_inside_full_parameters_reach_the_offloaded_masters(world, stage):
+    assert world(2).run(case_edits, stage, timeout=TIMEOUT) == [[], []]

@@ -56,12 +56,13 @@ def _write_back_segment(i: int, seg: Segment, masters: Masters) -> None:
     params = seg.param_storage(masters.owner)
     for b in seg.layout.buckets:
         now = params.region(b.index)
-        _copy_changed(master.region(b.index), now, before=master.region(b.index).to(now.dtype))
+        _copy_changed(master.region(b.index), now, before=master.region(b.index).to(now))
 
 
 def _copy_changed(master: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> None:
+    """Compared where the parameters are; offloaded masters are in host memory."""
     changed = now != before
-    master[changed] = now[changed].to(master.dtype)
+    master[changed.to(master.device)] = now[changed].to(master.device, master.dtype)
 
 
 class StateDictHooks:
