@@ -1,5 +1,5 @@
 """Optimizer offload (``ZeroConfig.offload.optimizer="cpu"``, issue 15): exact, overlapped,
-ordered, bounded, and checkpoints that load anywhere.
+ordered, bounded (checkpoints, adoption, reads and edits: test_offload_state.py).
 
 Parity: on CPU the offloaded step runs the same kernels on the same values as the device step
 ([Note: offloaded step] in zerodp/offload/runner.py), so parameters and optimizer state must be
@@ -11,58 +11,24 @@ from __future__ import annotations
 
 import time
 import warnings
-from pathlib import Path
 
-import hf_models
 import pytest
 import torch
+from offloadtest import (
+    STAGES,
+    TIMEOUT,
+    build_model,
+    gpt_batch,
+    model_loss,
+    offload_config,
+    tiny_gpt,
+)
 from zerotest import rank_world
 
 import zerodp
 import zerodp.engine as engine_module
-from zerodp.apps.models.gpt import GPT, get_config
 from zerodp.streams import StreamError
 from zerodp.streams.cpu import CpuStreams
-
-TIMEOUT = 240.0
-STAGES = (1, 2, 3)
-
-
-def _config(
-    stage: int, precision: str, offload: str, persist: int = 0, **extra
-) -> zerodp.ZeroConfig:
-    """``persist``: stage 3's ``persist_numel`` (replicated small parameters, gathered in the
-    step like stage 2's)."""
-    blocks = ("Block", "GPT2Block", "LlamaDecoderLayer")
-    units = zerodp.Stage3(unit_classes=blocks, persist_numel=persist)
-    return zerodp.ZeroConfig(
-        stage=stage,
-        precision=precision,
-        bucket_bytes=2048,  # several buckets per segment: a real pipeline
-        stage3=units,
-        offload=zerodp.OffloadConfig(optimizer=offload, **extra),
-    )
-
-
-def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return GPT(get_config("tiny", vocab_size=64, seq_len=16))
-
-
-def _gpt_batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 64, (2 * world, 9), generator=g)[2 * rank : 2 * rank + 2]
-    return {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
-def _loss(kind: str, model: torch.nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
-    if kind == "gpt":
-        return model(**_gpt_batch(step, rank, world))[1]
-    return model(**hf_models.global_batches(kind, step, world)[rank]).loss.float()
-
-
-def _build(kind: str) -> torch.nn.Module:
-    return _gpt() if kind == "gpt" else hf_models.build(kind)
 
 
 def _steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no-untyped-def]
@@ -71,7 +37,7 @@ def _steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no
     for step in range(steps):
         micro = 2 if step == 1 else 1
         for m in range(micro):
-            loss = _loss(kind, model, 10 * step + m, rank, world)
+            loss = model_loss(kind, model, 10 * step + m, rank, world)
             if m < micro - 1:
                 with model.no_sync():
                     opt.backward(loss)
@@ -84,7 +50,7 @@ def _steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no
 
 
 def _train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore[no-untyped-def]
-    model = _build(kind)
+    model = build_model(kind)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
     model, opt = zerodp.initialize(model, inner, config)
@@ -108,8 +74,8 @@ def case_parity(kind: str, precisions: tuple[str, ...]) -> list[str]:
     differ = []
     for stage in STAGES:
         for precision in precisions:
-            want, want_state, _ = _train(kind, _config(stage, precision, "none", persist))
-            got, got_state, report = _train(kind, _config(stage, precision, "cpu", persist))
+            want, want_state, _ = _train(kind, offload_config(stage, precision, "none", persist))
+            got, got_state, report = _train(kind, offload_config(stage, precision, "cpu", persist))
             assert report.offload == "cpu" and report.host > 0, "the run was not offloaded"
             if stage == 3:
                 assert (report.persistent_parameters > 0) == bool(persist), "persistent ones?"
@@ -195,14 +161,14 @@ def _run_watched(stage: int, offload: str, ref: dict | None, streams: CpuStreams
     rank, world = rank_world()
     original = _with_streams(streams) if streams is not None else None
     try:
-        model = _gpt()
+        model = tiny_gpt()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model, opt = zerodp.initialize(model, inner, _config(stage, "fp32", offload))
+        model, opt = zerodp.initialize(model, inner, offload_config(stage, "fp32", offload))
         seen: dict = {}
         step = [0]
         overlapped = _watch(model, opt, seen, ref, step)
         for step[0] in range(4):
-            opt.backward(_loss("gpt", model, step[0], rank, world))
+            opt.backward(model_loss("gpt", model, step[0], rank, world))
             opt.step()
             opt.zero_grad()
         opt.close()
@@ -233,13 +199,13 @@ def case_failure() -> str:
     rank, world = rank_world()
     original = _with_streams(SlowStreams(delay=0.0, fail_at=2))
     try:
-        model = _gpt()
+        model = tiny_gpt()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model, opt = zerodp.initialize(model, inner, _config(2, "fp32", "cpu"))
-        opt.backward(_loss("gpt", model, 0, rank, world))
+        model, opt = zerodp.initialize(model, inner, offload_config(2, "fp32", "cpu"))
+        opt.backward(model_loss("gpt", model, 0, rank, world))
         opt.step()
         try:
-            model(**_gpt_batch(1, rank, world))
+            model(**gpt_batch(1, rank, world))
         except StreamError as exc:
             message = str(exc)
         else:
@@ -264,10 +230,12 @@ def case_host_bytes(stage: int, precision: str) -> tuple[dict[str, int], int, in
     """The report after one step, and from the layout: the owned elements and the largest
     owned bucket slice."""
     rank, world = rank_world()
-    model = _gpt()
+    model = tiny_gpt()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = zerodp.initialize(model, inner, _config(stage, precision, "cpu", ring_buckets=3))
-    opt.backward(_loss("gpt", model, 0, rank, world))
+    model, opt = zerodp.initialize(
+        model, inner, offload_config(stage, precision, "cpu", ring_buckets=3)
+    )
+    opt.backward(model_loss("gpt", model, 0, rank, world))
     opt.step()
     regions = [b.region(rank).numel for seg in opt.engine.segments for b in seg.layout.buckets]
     report = opt.memory_report().to_dict()
@@ -291,138 +259,3 @@ def test_host_bytes_are_exact(world, stage, precision):
         assert r["host"] == r["optimizer_state"] + r["host_gradients"] + r["host_buffers"]
         device = r["parameters"] + r["gradients"] + r["comm_buffers"] + r["step_transient"]
         assert r["device"] == device + r["frozen_parameters"]
-
-
-# -- checkpoints: the same format as any run, loading anywhere -----------------------------------
-
-
-def _fresh(stage: int, offload: str):  # type: ignore[no-untyped-def]
-    model = _gpt()
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    return zerodp.initialize(model, inner, _config(stage, "bf16", offload))
-
-
-def _step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
-    rank, world = rank_world()
-    opt.backward(_loss("gpt", model, step, rank, world))
-    opt.clip_grad_norm_(0.05)
-    opt.step()
-    opt.zero_grad()
-
-
-def case_save(root: str, stage: int, offload: str) -> list[str]:
-    model, opt = _fresh(stage, offload)
-    for step in range(2):
-        _step(model, opt, step)
-    saved = zerodp.save_checkpoint(root, model, opt)  # right after a step: nothing may be missed
-    opt.close()
-    return sorted(p.name for p in saved.iterdir())
-
-
-def case_resume(roots: list[str], stage: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Each checkpoint, loaded without and with offload, trained one more step."""
-    out = {}
-    for root in roots:
-        for offload in ("none", "cpu"):
-            model, opt = _fresh(stage, offload)
-            zerodp.load_checkpoint(root, model, opt)
-            _step(model, opt, 2)
-            with zerodp.full_parameters(model):
-                params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            out[f"{Path(root).name} loaded with offload={offload}"] = params
-            opt.close()
-    return out
-
-
-@pytest.mark.parametrize(("stage", "resume_world"), [(2, 1), (3, 1), (1, 2)])
-def test_checkpoints_of_offloaded_runs_load_anywhere(world, tmp_path, stage, resume_world):
-    """Saved by 2 ranks with and without offload (bf16, clipped): the same files with the same
-    values; each resumes, offloaded or not, at another world size to the same parameters."""
-    roots = [str(tmp_path / "none"), str(tmp_path / "cpu")]
-    files = [
-        world(2).run(case_save, root, stage, Path(root).name, timeout=TIMEOUT) for root in roots
-    ]
-    assert files[0] == files[1]
-    resumed = world(resume_world).run(case_resume, roots, stage, timeout=TIMEOUT)[0]
-    (first, want), *others = resumed.items()
-    for what, got in others:
-        assert all(torch.equal(want[n], got[n]) for n in want), f"{what} differs from {first}"
-
-
-# -- parameters adopted after initialize --------------------------------------------------------
-
-
-def _train_unfrozen(stage: int, offload: str) -> dict[str, torch.Tensor]:
-    """``blocks.1`` frozen at ``initialize``, unfrozen after step 1; ``ln_f`` added as a new
-    param group after step 2."""
-    model = _gpt()
-    frozen = model.blocks[1]
-    frozen.requires_grad_(False)
-    head = [p for n, p in model.named_parameters() if n.startswith("ln_f")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("ln_f")]
-    inner = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1)
-    model, opt = zerodp.initialize(model, inner, _config(stage, "bf16", offload))
-    for step in range(4):
-        if step == 1:
-            frozen.requires_grad_(True)
-        if step == 2:
-            opt.add_param_group({"params": head, "lr": 1e-2, "weight_decay": 0.0})
-        _step(model, opt, step)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.close()
-    return params
-
-
-def case_adopted(stage: int) -> list[str]:
-    want, got = _train_unfrozen(stage, "none"), _train_unfrozen(stage, "cpu")
-    return [n for n in want if not torch.equal(want[n], got[n])]
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_parameters_unfrozen_or_added_later_are_offloaded_too(world, stage):
-    assert world(2).run(case_adopted, stage, timeout=TIMEOUT) == [[], []]
-
-
-def case_one_rank_reads_the_optimizer() -> list[str]:
-    """Rank 0 alone reads the memory report and the optimizer's state dict right after an
-    offloaded step (no collective may be issued by that), then both ranks go on."""
-    rank, _ = rank_world()
-    model, opt = _fresh(2, "cpu")
-    out = []
-    for step in range(3):
-        _step(model, opt, step)
-        if rank == 0:
-            report, state = opt.memory_report(), opt.state_dict()
-            counts = {int(st["step"]) for st in state["state"].values()}
-            out.append(f"{report.offload} {counts}")
-    opt.close()
-    return out
-
-
-def test_one_rank_alone_may_read_the_optimizer_after_an_offloaded_step(world):
-    """Complete (every piece's Adam step counted), and nothing hangs."""
-    first, second = world(2).run(case_one_rank_reads_the_optimizer, timeout=TIMEOUT)
-    assert first == ["cpu {1}", "cpu {2}", "cpu {3}"] and second == []
-
-
-def _edited(stage: int, offload: str) -> dict[str, torch.Tensor]:
-    model, opt = _fresh(stage, offload)
-    _step(model, opt, 0)
-    with zerodp.full_parameters(model):  # weight surgery between steps reaches the masters
-        model.blocks[0].mlp.c_fc.weight.data[:3].mul_(0.5)
-    _step(model, opt, 1)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.close()
-    return params
-
-
-def case_edits(stage: int) -> list[str]:
-    want, got = _edited(stage, "none"), _edited(stage, "cpu")
-    return [n for n in want if not torch.equal(want[n], got[n])]
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_edits_inside_full_parameters_reach_the_offloaded_masters(world, stage):
-    assert world(2).run(case_edits, stage, timeout=TIMEOUT) == [[], []]

@@ -1,0 +1,65 @@
+"""Shared by the offload tests (tests/dist/test_offload*.py): the tiny GPT, its batches, the
+configuration they train with, and one clipped step."""
+
+from __future__ import annotations
+
+import hf_models
+import torch
+from zerotest import rank_world
+
+import zerodp
+from zerodp.apps.models.gpt import GPT, get_config
+
+TIMEOUT = 240.0
+STAGES = (1, 2, 3)
+
+
+def offload_config(
+    stage: int, precision: str, offload: str, persist: int = 0, **extra
+) -> zerodp.ZeroConfig:
+    """``persist``: stage 3's ``persist_numel`` (replicated small parameters, gathered in the
+    step like stage 2's)."""
+    blocks = ("Block", "GPT2Block", "LlamaDecoderLayer")
+    units = zerodp.Stage3(unit_classes=blocks, persist_numel=persist)
+    return zerodp.ZeroConfig(
+        stage=stage,
+        precision=precision,
+        bucket_bytes=2048,  # several buckets per segment: a real pipeline
+        stage3=units,
+        offload=zerodp.OffloadConfig(optimizer=offload, **extra),
+    )
+
+
+def tiny_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(get_config("tiny", vocab_size=64, seq_len=16))
+
+
+def gpt_batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 64, (2 * world, 9), generator=g)[2 * rank : 2 * rank + 2]
+    return {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def model_loss(kind: str, model: torch.nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    if kind == "gpt":
+        return model(**gpt_batch(step, rank, world))[1]
+    return model(**hf_models.global_batches(kind, step, world)[rank]).loss.float()
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    return tiny_gpt() if kind == "gpt" else hf_models.build(kind)
+
+
+def fresh_run(stage: int, offload: str, precision: str = "bf16"):  # type: ignore[no-untyped-def]
+    model = tiny_gpt()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    return zerodp.initialize(model, inner, offload_config(stage, precision, offload))
+
+
+def clipped_step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
+    rank, world = rank_world()
+    opt.backward(model_loss("gpt", model, step, rank, world))
+    opt.clip_grad_norm_(0.05)
+    opt.step()
+    opt.zero_grad()
