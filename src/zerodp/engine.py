@@ -23,6 +23,7 @@ builders into ``views.py`` behind a narrow protocol is the next split.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
 from zerodp.offload.landing import Landing
-from zerodp.offload.refuse import refuse_unbuilt_tiers
+from zerodp.offload.refuse import refuse_adoption, refuse_unbuilt_tiers
 from zerodp.offload.runner import OffloadStep
+from zerodp.offload.swap import SwapStore
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
 from zerodp.optim.agreement import KeptGrads, StepFlags, agree_on_step
@@ -127,7 +129,7 @@ class ZeroEngine:
         self.reducer = self._grad_sync()
         self.pieces = self._build_pieces()
         rebind_optimizer(optimizer, self.pieces, self.segments)
-        self.runner = self._runner()
+        self.runner = self._runner(optimizer)
         self.param_gather = self.param_sync.gather
         if self.landing is not None:
             self.param_sync.attach_landing(self.landing)
@@ -190,7 +192,7 @@ class ZeroEngine:
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, self._groups, master, grads)
 
-    def _runner(self) -> StepRunner:
+    def _runner(self, optimizer: torch.optim.Optimizer) -> StepRunner:
         runner = make_runner(
             self.segments,
             self.pieces,
@@ -202,12 +204,20 @@ class ZeroEngine:
             return runner
         order = self.param_sync.update_order()
         args = (self.segments, self.pieces, self.masters, runner, self.landing)
-        return OffloadStep(*args, order, self.plan.offload_ring)
+        plan = self.plan
+        swap = None
+        if plan.offload_optimizer == "nvme":
+            assert plan.offload_path is not None
+            where = (self.landing.streams, plan.offload_path, self.comm.rank)
+            swap = partial(SwapStore, *where, pieces=self.pieces, optimizer=optimizer)
+            swap = partial(swap, masters=self.masters, slots=plan.offload_ring)
+        return OffloadStep(*args, order, plan.offload_ring, swap)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
         if not torch.is_grad_enabled() or not any(p.requires_grad for _, p in self.frozen):
             return
+        refuse_adoption(self.plan)
         self.frozen, unfrozen = take_unfrozen(self.frozen, self.comm, self.reducer.used)
         self._adopt(unfrozen)
 
@@ -234,10 +244,11 @@ class ZeroEngine:
     def _rebind_pieces(self) -> None:
         old, self.pieces = self.pieces, self._build_pieces()
         replace_pieces(self.optimizer, old, self.pieces)
-        self.runner = self._runner()
+        self.runner = self._runner(self.optimizer)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """[Note: param groups added after initialize] in optim/adoption.py."""
+        refuse_adoption(self.plan)
         added = examine_added_group(
             group,
             self.model,
@@ -363,6 +374,7 @@ class ZeroEngine:
         unlike ``wait_params`` it issues no collective, so one rank alone may call it."""
         if self.landing is not None:
             self.landing.wait_all()
+        self.masters.settle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.kept_grads.zero_grad(self.reducer.used, set_to_none)
@@ -465,6 +477,7 @@ class ZeroEngine:
             h.remove()
         if self.landing is not None:
             self.landing.streams.close()
+        self.masters.close()
         if failed is not None:
             raise failed
 

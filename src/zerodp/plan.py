@@ -37,6 +37,7 @@ class Plan:
     offload_optimizer: str  # "none", "cpu", "nvme": where masters and optimizer state live
     offload_params: str  # stage 3: where the parameter shards rest
     offload_ring: int  # host transfer buffers per direction (OffloadConfig.ring_buckets)
+    offload_path: str | None  # the "nvme" tier's directory
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, self.bucket_bytes // _element_size(dtype))
@@ -70,6 +71,7 @@ def resolve(config: ZeroConfig) -> Plan:
         offload_optimizer=config.offload.optimizer,
         offload_params=config.offload.params,
         offload_ring=config.offload.ring_buckets,
+        offload_path=config.offload.path,
     )
 
 

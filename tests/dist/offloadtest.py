@@ -3,6 +3,8 @@ configuration they train with, and one clipped step."""
 
 from __future__ import annotations
 
+import warnings
+
 import hf_models
 import torch
 from zerotest import rank_world
@@ -63,3 +65,45 @@ def clipped_step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
     opt.clip_grad_norm_(0.05)
     opt.step()
     opt.zero_grad()
+
+
+def train_steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """Clip every step, accumulate two micro-batches at step 1, a scheduler after each step."""
+    rank, world = rank_world()
+    for step in range(steps):
+        micro = 2 if step == 1 else 1
+        for m in range(micro):
+            loss = model_loss(kind, model, 10 * step + m, rank, world)
+            if m < micro - 1:
+                with model.no_sync():
+                    opt.backward(loss)
+            else:
+                opt.backward(loss)
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore[no-untyped-def]
+    model = build_model(kind)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
+    model, opt = zerodp.initialize(model, inner, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the scheduler's "step() before" warning
+        train_steps(kind, model, opt, sched, steps)
+    with zerodp.full_parameters(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Through state_dict: on NVMe the optimizer's own tensors are empty between steps.
+    state = state_values(opt)
+    report = opt.memory_report()
+    opt.close()
+    return params, state, report
+
+
+def state_values(opt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every optimizer state value, in the order of the pieces (``state_dict``'s keys; its
+    entries are in the order the steps created them, which offload changes)."""
+    state = opt.state_dict()["state"]
+    return [v for k in sorted(state) for v in state[k].values()]

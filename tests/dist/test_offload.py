@@ -10,18 +10,17 @@ clipping, accumulation and an LR scheduler that rewrites ``lr`` while the CPU st
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
 from offloadtest import (
     STAGES,
     TIMEOUT,
-    build_model,
     gpt_batch,
     model_loss,
     offload_config,
     tiny_gpt,
+    train,
 )
 from zerotest import rank_world
 
@@ -31,51 +30,14 @@ from zerodp.streams import StreamError
 from zerodp.streams.cpu import CpuStreams
 
 
-def _steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no-untyped-def]
-    """Clip every step, accumulate two micro-batches at step 1, a scheduler after each step."""
-    rank, world = rank_world()
-    for step in range(steps):
-        micro = 2 if step == 1 else 1
-        for m in range(micro):
-            loss = model_loss(kind, model, 10 * step + m, rank, world)
-            if m < micro - 1:
-                with model.no_sync():
-                    opt.backward(loss)
-            else:
-                opt.backward(loss)
-        opt.clip_grad_norm_(0.05)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-
-
-def _train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore[no-untyped-def]
-    model = build_model(kind)
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
-    model, opt = zerodp.initialize(model, inner, config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # the scheduler's "step() before" warning
-        _steps(kind, model, opt, sched, steps)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    inner = opt.engine.optimizer  # bound to the pieces, the same with or without offload
-    state = [
-        v.clone() for g in inner.param_groups for p in g["params"] for v in inner.state[p].values()
-    ]
-    report = opt.memory_report()
-    opt.close()
-    return params, state, report
-
-
 def case_parity(kind: str, precisions: tuple[str, ...]) -> list[str]:
     """GPT-2 at stage 3 with its biases and norms persistent (replicated), the others without."""
     persist = 64 if kind == "gpt2" else 0
     differ = []
     for stage in STAGES:
         for precision in precisions:
-            want, want_state, _ = _train(kind, offload_config(stage, precision, "none", persist))
-            got, got_state, report = _train(kind, offload_config(stage, precision, "cpu", persist))
+            want, want_state, _ = train(kind, offload_config(stage, precision, "none", persist))
+            got, got_state, report = train(kind, offload_config(stage, precision, "cpu", persist))
             assert report.offload == "cpu" and report.host > 0, "the run was not offloaded"
             if stage == 3:
                 assert (report.persistent_parameters > 0) == bool(persist), "persistent ones?"

@@ -1,14 +1,18 @@
-"""The offload tiers not built yet (``optimizer="nvme"``, any ``params`` tier) are refused by
-``zerodp.initialize`` with ``NotImplementedError`` before it touches anything: the model's
-class, parameters (identity, storage, values, hooks), buffers, module hooks and the optimizer
-are exactly as they were, and no file is created under ``offload.path``.
+"""The offload tiers not built yet (any ``params`` tier) are refused by ``zerodp.initialize``
+with ``NotImplementedError`` before it touches anything: the model's class, parameters
+(identity, storage, values, hooks), buffers, module hooks and the optimizer are exactly as they
+were, and no file is created under ``offload.path``. The same holds when the NVMe tier finds
+its disk full at ``initialize`` (``OffloadDiskFull``).
 
 Their configuration rules are in tests/unit/test_offload_config.py.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +21,11 @@ import torch
 from torch import nn
 
 import zerodp
+import zerodp.offload.swapfile as swapfile
 from zerodp import OffloadConfig, ZeroConfig
+from zerodp.offload.swapfile import OffloadDiskFull
 
 TIMEOUT = 120.0
-
-NVME_OPTIMIZER = (
-    "ZeroConfig.offload.optimizer='nvme' is not available in this version of zerodp: use 'cpu' "
-    "(host memory)"
-)
 
 
 def _params_refused(tier: str) -> str:
@@ -158,7 +159,7 @@ def case_refused_untouched(stage: int, offload: OffloadConfig) -> dict[str, Any]
     error: str | None = None
     try:
         zerodp.initialize(model, opt, ZeroConfig(stage=stage, bucket_bytes=256, offload=offload))
-    except NotImplementedError as exc:
+    except (NotImplementedError, OffloadDiskFull) as exc:
         error = str(exc)
     changed = _changes(before, _snapshot(model, opt))
     hooks_empty_after = _all_hooks_empty(model)
@@ -176,9 +177,7 @@ def case_refused_untouched(stage: int, offload: OffloadConfig) -> dict[str, Any]
 @pytest.mark.parametrize(
     ("stage", "tiers", "message"),
     [
-        (1, ("nvme", "none"), NVME_OPTIMIZER),
-        (2, ("nvme", "none"), NVME_OPTIMIZER),
-        (3, ("nvme", "nvme"), NVME_OPTIMIZER),
+        (3, ("nvme", "nvme"), _params_refused("nvme")),
         (3, ("none", "cpu"), _params_refused("cpu")),
         (3, ("cpu", "cpu"), _params_refused("cpu")),
         (3, ("cpu", "nvme"), _params_refused("nvme")),
@@ -203,3 +202,39 @@ def test_unbuilt_tiers_are_refused_before_anything_is_touched(
     for name in ("fc1.weight", "fc1.bias", "fc2.weight", "norm.weight", "norm.bias"):
         assert f"params {name}" in changed
     assert {"class", "optimizer"} <= set(changed)
+
+
+def case_disk_full(stage: int, offload: OffloadConfig) -> dict[str, Any]:
+    """The NVMe tier's directory is full (``posix_fallocate`` fails with ENOSPC; 12345 bytes
+    are reported free)."""
+
+    def full(fd: int, nbytes: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    swapfile._reserve = full  # type: ignore[assignment]
+    usage = shutil._ntuple_diskusage(10**6, 10**6 - 12345, 12345)  # type: ignore[attr-defined]
+    swapfile.shutil.disk_usage = lambda path: usage  # type: ignore[assignment]
+    return case_refused_untouched(stage, offload)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_full_disk_at_initialize_is_named_and_touches_nothing(
+    world: Any, tmp_path: Path, stage: int
+) -> None:
+    nvme_dir = tmp_path / "nvme"
+    offload = OffloadConfig(optimizer="nvme", path=str(nvme_dir))
+    (result,) = world(1).run(case_disk_full, stage, offload, timeout=TIMEOUT)
+    pattern = (
+        re.escape(f"offload to NVMe: {str(nvme_dir)!r} has no room for rank0-masters (")
+        + r"(\d+)"
+        + re.escape(
+            " bytes; 12345 free): free space there or set ZeroConfig.offload.path to a larger "
+            "disk (nothing was written; the last checkpoint is unaffected)"
+        )
+    )
+    match = re.fullmatch(pattern, result["error"])
+    assert match is not None, result["error"]
+    assert int(match.group(1)) > 0 and int(match.group(1)) % 4096 == 0
+    assert result["changed"] == []
+    assert result["hooks_empty"] == (True, True, False)
+    assert list(nvme_dir.iterdir()) == []  # the file was unlinked when it was created

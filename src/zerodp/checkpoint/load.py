@@ -85,9 +85,9 @@ def load_checkpoint(
         plan, error = attempt(lambda: _validate(directory, model, state, allow_reshard, optimized))
         raise_if_any(comm.all_gather_object(error), header)
         assert plan is not None
-        with ShardReader(plan.path) as reader:
+        with ShardReader(plan.path) as reader, state.masters.resident(write=True):
             _apply(plan, reader, model, state)
-        state.publish()
+            state.publish()
     m = plan.manifest
     return m.ranks[comm.rank if plan.same_world else 0].extra
 
@@ -299,7 +299,7 @@ def load_model_state_dict(
     with state.comm.untracked():
         raise_if_any(state.comm.all_gather_object(error), "load_model_state_dict failed:")
         assert found is not None
-        with torch.no_grad():
+        with torch.no_grad(), state.masters.resident(write=True):
             for name, p in model.named_parameters():
                 if not isinstance(p, ShardedParameter):  # stage 3: shards are written below
                     p.copy_(found[name].view(p.shape))
@@ -311,7 +311,7 @@ def load_model_state_dict(
             for name, b in model.named_buffers():
                 if name in found:
                     b.copy_(found[name].view(b.shape))
-        state.publish()
+            state.publish()
 
 
 def _match_state_dict(

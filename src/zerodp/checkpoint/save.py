@@ -89,7 +89,9 @@ def save_checkpoint(
     root = Path(directory)
     name = fs.step_dir_name(state.counters.steps)
     header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
-    with comm.untracked(), comm.phase("checkpoint save"):
+    # NVMe: the optimizer's tensors are read into memory while they are written out.
+    resident = state.masters.resident(write=False)
+    with resident, comm.untracked(), comm.phase("checkpoint save"):
         state.meet(Op.CHECKPOINT)  # [stage 3] meet a rank still in a step at its check
         prep, error = attempt(lambda: _prepare(state, extra, keep_last))
         tmp = None

@@ -49,9 +49,12 @@ class MemoryReport:
     largest_unit: int = 0  # bytes of the largest unit, gathered
     # Optimizer offload (ZeroConfig.offload.optimizer): the optimizer state (masters included)
     # is then in host memory, with an fp32 copy of the owned gradients and the transfer rings.
+    # On NVMe ("nvme"): ``optimizer_state`` is what stays in memory (step counters), the files
+    # are ``nvme``, and the host gradient is a ring like the transfer buffers.
     offload: str = "none"
     host_gradients: int = 0
     host_buffers: int = 0
+    nvme: int = 0
 
     @property
     def model_states(self) -> int:
@@ -93,7 +96,7 @@ class MemoryReport:
                 "optimizer state",
                 self.optimizer_state,
                 _theory_note(theory.get("optimizer_state"))
-                + (" (in host memory)" if self.offload != "none" else "")
+                + _where(self.offload)
                 + f"; fp32 masters {self.master_parameters:,} B"
                 f", step counters {self.optimizer_scalar_bytes:,} B",
             ),
@@ -127,6 +130,8 @@ class MemoryReport:
                 ("host total", self.host, "optimizer state + host gradients + rings"),
                 ("device total", self.device, "everything else above"),
             ]
+        if self.offload == "nvme":
+            rows.append(("nvme", self.nvme, "masters and optimizer state, files in offload.path"))
         lines = [head]
         for label, value, note in rows:
             lines.append(f"  {label:<18}{value:>16,} B {value / 2**20:>10.3f} MiB   {note}")
@@ -242,3 +247,10 @@ def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+_WHERE = {"none": "", "cpu": " (in host memory)", "nvme": " (in memory; the rest on NVMe)"}
+
+
+def _where(offload: str) -> str:
+    return _WHERE[offload]

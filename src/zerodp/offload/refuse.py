@@ -1,5 +1,6 @@
-"""The offload tiers that are configurable but not built yet refuse to start, before
-``initialize`` touches anything (rather than silently running without them)."""
+"""What the offload tiers do not support yet is refused before anything is touched (rather than
+silently run without it): unbuilt tiers at ``initialize``, adoption of new trainable parameters
+with the NVMe tier."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from zerodp.plan import Plan
 
 
 def refuse_unbuilt_tiers(plan: Plan) -> None:
-    if plan.offload_optimizer == "nvme":
-        raise NotImplementedError(
-            "ZeroConfig.offload.optimizer='nvme' is not available in this version of zerodp: "
-            "use 'cpu' (host memory)"
-        )
     if plan.offload_params != "none":
         raise NotImplementedError(
             f"ZeroConfig.offload.params={plan.offload_params!r} is not available in this "
             "version of zerodp: use 'none' (parameter shards on the device)"
+        )
+
+
+def refuse_adoption(plan: Plan) -> None:
+    """Before anything changes: new trainable parameters would need the NVMe files relaid."""
+    if plan.offload_optimizer == "nvme":
+        raise NotImplementedError(
+            "zerodp: adding trainable parameters after initialize (unfreezing them, "
+            "add_param_group) is not supported with ZeroConfig.offload.optimizer='nvme' yet: "
+            "make them trainable before zerodp.initialize, or use optimizer='cpu'"
         )

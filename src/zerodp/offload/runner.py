@@ -37,6 +37,7 @@ within the fp32 tolerance otherwise. Host memory: 12 B/param of masters and Adam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -46,6 +47,7 @@ from zerodp.comm import Communicator
 from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
+from zerodp.offload.swap import SwapStore
 from zerodp.optim.chunked import pieces_by_chunk
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
@@ -78,6 +80,7 @@ class OffloadStep:
         landing: Landing,
         order: list[tuple[int, int]],
         slots: int,
+        swap: Callable[[list[HostChunk]], SwapStore] | None = None,
     ) -> None:
         self.segments = segments
         self.pieces = pieces
@@ -96,10 +99,21 @@ class OffloadStep:
             numel = segments[s].layout.buckets[b].region(owner).numel
             self.chunks.append(HostChunk(s, b, numel, offset, tuple(pcs)))
             offset += numel
-        self.host_grad = torch.empty(offset, dtype=torch.float32)
         largest = max((c.numel for c in self.chunks), default=0)
+        # On NVMe ([Note: optimizer state on NVMe]) the host fp32 gradient is a ring too.
+        self.swap = swap(self.chunks) if swap is not None else None
+        self.grad_slots = slots if self.swap is not None else 0
+        grad_numel = largest * slots if self.grad_slots else offset
+        self.host_grad = torch.empty(grad_numel, dtype=torch.float32)
         self.incoming = TransferRing(self.streams, slots, largest)
         self.outgoing = TransferRing(self.streams, slots, largest)
+
+    def host_gradient(self, k: int, chunk: HostChunk) -> torch.Tensor:
+        """Where chunk ``k`` of a step's work list gets its fp32 gradient."""
+        if not self.grad_slots:
+            return self.host_grad.narrow(0, chunk.offset, chunk.numel)
+        largest = self.host_grad.numel() // self.grad_slots
+        return self.host_grad.narrow(0, (k % self.grad_slots) * largest, chunk.numel)
 
     # -- on the device, unchanged --------------------------------------------------------------
 
@@ -137,9 +151,13 @@ class OffloadStep:
     @property
     def host_nbytes(self) -> dict[str, int]:
         """Host memory besides the masters and optimizer state: gradient and rings."""
+        swap = self.swap
         return {
             "host_gradients": self.host_grad.numel() * self.host_grad.element_size(),
-            "host_buffers": self.incoming.nbytes + self.outgoing.nbytes,
+            "host_buffers": self.incoming.nbytes
+            + self.outgoing.nbytes
+            + (swap.host_nbytes if swap else 0),
+            "nvme": swap.nvme_nbytes if swap else 0,
         }
 
     # -- the pipeline ----------------------------------------------------------------------------
@@ -151,10 +169,15 @@ class OffloadStep:
         inv_scale: float,
         used: list[list[bool]],
     ) -> None:
-        work = [c for c in self.chunks if any(self._used(k, used) for k, _, _ in c.pieces)]
-        if not work:
+        if self.swap is not None:  # the last step's writes are done (raises what failed)
+            self.landing.wait_all()
+            self.swap.wait()
+        index = [
+            j for j, c in enumerate(self.chunks) if any(self._used(k, used) for k, _, _ in c.pieces)
+        ]
+        if not index:
             return
-        run = _StepRun(self, grads, HostStepper(optimizer), inv_scale, used, work)
+        run = _StepRun(self, grads, HostStepper(optimizer), inv_scale, used, index)
         unpacked = run.start()
         unpacked.wait()  # the device gradients are free once all are in host memory
 
@@ -174,9 +197,11 @@ class _StepRun:
         stepper: HostStepper,
         inv_scale: float,
         used: list[list[bool]],
-        work: list[HostChunk],
+        index: list[int],
     ) -> None:
         self.r = runner
+        self.index = index  # of each chunk of this step in ``runner.chunks``
+        work = [runner.chunks[j] for j in index]
         self.grads = grads
         self.stepper = stepper
         self.inv_scale = inv_scale
@@ -191,6 +216,10 @@ class _StepRun:
         self.optimizer = streams.host("offload-optimizer")
         self.fetched: list[Event | None] = [None] * len(work)
         self.copied: list[Event | None] = [None] * len(work)
+        self.updated: list[Event | None] = [None] * len(work)
+        self.swapped: list[Event | None] = [None] * len(work)  # NVMe: read into its slot
+        self.reader = streams.host("offload-read")
+        self.writer = streams.host("offload-write")
 
     def start(self) -> Event:
         """Queue every chunk; the event of the last unpack (all gradients on the host)."""
@@ -199,10 +228,14 @@ class _StepRun:
         self.h2d.wait(ready)
         for k in range(min(self.r.incoming.slots, len(self.work))):
             self.fetched[k] = self._fetch(k)
+        if self.r.swap is not None:
+            for k in range(min(self.r.swap.slots, len(self.work))):
+                self.swapped[k] = self.reader.submit(partial(self._read, k, None))
         unpacked: Event | None = None
         for k, chunk in enumerate(self.work):
             unpacked = self.unpacker.submit(partial(self._unpack, k))
             stepped = self.optimizer.submit(partial(self._update, k, unpacked))
+            self.updated[k] = stepped
             self.r.landing.expect(chunk.seg, chunk.bucket, stepped)
         assert unpacked is not None
         return unpacked
@@ -218,7 +251,11 @@ class _StepRun:
         assert fetched is not None
         fetched.wait()
         c = self.work[k]
-        dst = self.r.host_grad.narrow(0, c.offset, c.numel)
+        dst = self.r.host_gradient(k, c)
+        if self.r.grad_slots and k >= self.r.grad_slots:  # a ring: its last step is done
+            previous = self.updated[k - self.r.grad_slots]
+            assert previous is not None
+            previous.wait()
         src = self.r.incoming.view(k, c.numel, self.grads.grad_storage(c.seg).data.dtype)
         dst.copy_(src)
         if self.inv_scale != 1.0:  # the same products, in the same order, as on the device
@@ -232,8 +269,14 @@ class _StepRun:
     def _update(self, k: int, unpacked: Event) -> Event:
         unpacked.wait()
         c = self.work[k]
+        swap = self.r.swap
+        if swap is not None:
+            swapped = self.swapped[k]
+            assert swapped is not None
+            swapped.wait()
+            swap.bind(self.index[k], k)
         mine = [(i, off, n) for i, off, n in c.pieces if self.r._used(i, self.used)]
-        grad = self.r.host_grad.narrow(0, c.offset, c.numel)
+        grad = self.r.host_gradient(k, c)
         pieces = [self.r.pieces[i] for i, _, _ in mine]
         self.stepper.step(pieces, [grad.narrow(0, off, n) for _, off, n in mine])
         slots = self.r.outgoing.slots
@@ -243,7 +286,25 @@ class _StepRun:
             previous.wait()
         dst = self.r.segments[c.seg].param_storage(self.r.masters.owner).region(c.bucket)
         slot = self.r.outgoing.view(k, c.numel, dst.dtype)
-        slot.copy_(self.r.masters.storage(c.seg).region(c.bucket))  # the cast to the params'
+        if swap is not None:
+            masters = swap.masters_of(self.index[k], k)
+        else:
+            masters = self.r.masters.storage(c.seg).region(c.bucket)
+        slot.copy_(masters)  # the cast to the params'
         copied = self.h2d.submit(partial(dst.copy_, slot, non_blocking=True), uses=[dst])
         self.copied[k] = copied
+        if swap is not None:
+            written = self.writer.submit(partial(swap.write, self.index[k], k))
+            swap.writes.append(written)
+            ahead = k + swap.slots
+            if ahead < len(self.work):  # into this slot, once written back
+                self.swapped[ahead] = self.reader.submit(partial(self._read, ahead, written))
         return copied
+
+    def _read(self, k: int, after: Event | None) -> None:
+        """NVMe: chunk ``k``'s masters and state into its slot ([Note: optimizer state on
+        NVMe] in swap.py), once ``after`` (the write that last used the slot) is done."""
+        if after is not None:
+            after.wait()
+        assert self.r.swap is not None
+        self.r.swap.read(self.index[k], k)

@@ -27,6 +27,8 @@ synchronous copy a checkpoint load uses.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -39,6 +41,16 @@ class ReducedGrads(Protocol):
     """What the masters need of a reducer (``GradReducer``, or ``ShardedGrads`` in stage 3)."""
 
     def grad_storage(self, seg: int) -> OwnedStorage: ...
+
+
+class Resident(Protocol):
+    """Where the masters rest between steps when not in memory (``SwapStore``, NVMe)."""
+
+    def resident(self, *, write: bool) -> AbstractContextManager[None]: ...
+
+    def wait(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Masters:
@@ -60,6 +72,8 @@ class Masters:
         self.rank = rank
         assert not host or sharded, "offloaded masters are the owned slices (stages 1-3)"
         self.buffers: list[OwnedStorage] = [self._master(seg) for seg in segments]
+        self.store: Resident | None = None  # NVMe: the masters are in files between steps
+        self.evicted = False
 
     def _master(self, seg: Segment) -> OwnedStorage:
         params = seg.param_storage(self.owner)
@@ -78,7 +92,44 @@ class Masters:
         self.buffers += [self._master(seg) for seg in segments]
 
     def storage(self, i: int) -> OwnedStorage:
+        if self.evicted:
+            raise RuntimeError(
+                "zerodp: the fp32 masters are on NVMe between steps "
+                "(ZeroConfig.offload.optimizer='nvme'): read or write them inside "
+                "Masters.resident()"
+            )
         return self.buffers[i]
+
+    # -- on NVMe ([Note: optimizer state on NVMe] in offload/swap.py) --------------------------
+
+    def evict(self) -> None:
+        """Drop the host copies: the store holds the values."""
+        self.buffers = []
+        self.evicted = True
+
+    def restore(self) -> None:
+        """Empty host shard buffers again, for the store to fill."""
+        self.buffers = [
+            ShardBuffer(torch.empty(seg.layout.shard_numel), seg.layout, self.rank)
+            for seg in self.segments
+        ]
+        self.evicted = False
+
+    @contextmanager
+    def resident(self, *, write: bool) -> Iterator[None]:
+        """The masters and the optimizer state in memory while inside (a no-op unless they
+        rest on NVMe); ``write``: what was changed inside is kept."""
+        with self.store.resident(write=write) if self.store is not None else nullcontext():
+            yield
+
+    def settle(self) -> None:
+        """Wait until the store holds the last step's values (raises what failed)."""
+        if self.store is not None:
+            self.store.wait()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     # -- publishing ----------------------------------------------------------------------------
 

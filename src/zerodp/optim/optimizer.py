@@ -148,9 +148,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state: the inner optimizer's ``state_dict`` (one
         entry per owned piece) plus which piece of which parameter each entry is. Waits for an
-        offloaded step still running (it writes the state on its worker)."""
+        offloaded step still running (it writes the state on its worker). On NVMe the tensors
+        are copies read from the files."""
         self._engine.wait_optimizer()
-        sd = self.inner.state_dict()
+        masters = self._engine.masters
+        with masters.resident(write=False):
+            sd = self.inner.state_dict()
+            if masters.store is not None:  # the resident tensors are emptied on leaving
+                sd["state"] = {k: _cloned(v) for k, v in sd["state"].items()}
         sd["zerodp"] = self._shard_meta()
         return sd
 
@@ -172,7 +177,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 )
         inner_sd = {k: v for k, v in state_dict.items() if k != "zerodp"}
         self._engine.wait_optimizer()  # an offloaded step must not write over what is loaded
-        self.inner.load_state_dict(inner_sd)
+        with self._engine.masters.resident(write=True):
+            self.inner.load_state_dict(inner_sd)
 
     def _shard_meta(self) -> dict[str, Any]:
         e = self._engine
@@ -194,3 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) < 80 else text[:77] + "..."
+
+
+def _cloned(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -36,7 +36,7 @@ def write_back(
 ) -> None:
     """Make shards and masters of ``segs`` (index, segment) agree with their full buffers;
     see [Note: writeback]."""
-    with torch.no_grad():
+    with torch.no_grad(), masters.resident(write=True):
         for i, seg in segs:
             if rank is not None:
                 comm.broadcast(seg.param_buffer, src=rank)

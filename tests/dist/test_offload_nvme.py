@@ -1,0 +1,255 @@
+"""Optimizer state on NVMe (``ZeroConfig.offload.optimizer="nvme"``, issue 15, ZeRO-Infinity):
+exact, private files, bounded host memory, checkpoints in and out, failures that lose nothing.
+
+Parity: the NVMe tier steps the same values with the same kernels as the device step, only
+read from and written to files between steps ([Note: optimizer state on NVMe] in
+zerodp/offload/swap.py), so parameters and optimizer state must be **bitwise** those of the run
+without offload.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from offloadtest import (
+    STAGES,
+    TIMEOUT,
+    clipped_step,
+    model_loss,
+    offload_config,
+    state_values,
+    tiny_gpt,
+    train,
+)
+from zerotest import rank_world
+
+import zerodp
+import zerodp.offload.swapfile as swapfile
+from zerodp.offload.swapfile import ALIGN, aligned
+from zerodp.streams import StreamError
+
+
+def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
+    """``root``: the NVMe directory, the same on every rank (the configuration must agree;
+    the files' names carry the rank, and they are unlinked at once)."""
+    differ = []
+    for stage in STAGES:
+        for precision in precisions:
+            want, want_state, _ = train(kind, offload_config(stage, precision, "none"))
+            config = offload_config(stage, precision, "nvme", path=root, ring_buckets=2)
+            got, got_state, report = train(kind, config)
+            assert report.offload == "nvme" and report.nvme > 0, "the run was not on NVMe"
+            names = [n for n in want if not torch.equal(want[n], got[n])]
+            states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
+            if names or states or len(want_state) != len(got_state):
+                differ.append(f"stage {stage} {precision}: params {names[:3]}, {states} states")
+    return differ
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("kind", "precisions"), [("gpt", ("fp32", "bf16")), ("llama", ("fp32",))])
+def test_bitwise_parity_with_the_device_step(world, tmp_path, world_size, kind, precisions):
+    """Two ring slots, several buckets per segment: chunks reuse slots within a step."""
+    results = world(world_size).run(case_parity, str(tmp_path), kind, precisions, timeout=TIMEOUT)
+    assert results == [[]] * world_size
+
+
+# -- the files and the memory ---------------------------------------------------------------------
+
+
+def case_files_and_bytes(path: str, stage: int) -> dict:
+    model = tiny_gpt()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = offload_config(stage, "bf16", "nvme", path=path, ring_buckets=3)
+    model, opt = zerodp.initialize(model, inner, config)
+    clipped_step(model, opt, 0)
+    report = opt.memory_report().to_dict()  # waits for the step's writes
+    store = opt.engine.masters.store
+    files = store.files
+    out = {
+        "listed": os.listdir(path),
+        "groups": sorted(files),
+        "modes": {k: f.mode for k, f in files.items()},
+        "sizes": {k: os.fstat(f.fd).st_size for k, f in files.items()},
+        "chunks": [c.numel for c in store.chunks],
+        "report": report,
+        "empty": [op.tensor.numel() for op in opt.engine.pieces],
+        "state_empty": [
+            v.numel()
+            for st in inner.state.values()
+            for k, v in st.items()
+            if k != "step"  # the scalar stays in memory
+        ],
+    }
+    fds = [f.fd for f in files.values()]
+    opt.close()
+    closed = []
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError as exc:
+            closed.append(exc.errno == errno.EBADF)
+    out["closed"] = closed
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_files_are_private_and_host_bytes_exact(world, tmp_path, stage):
+    """One file per rank and tensor group (masters, Adam's two moments), 0600, unlinked at
+    creation (nothing is listed in the directory), each chunk's extent aligned to 4 KiB; the
+    optimizer's tensors are empty between steps; host memory is the rings only: the gradient
+    ring and the two transfer rings (3 slots of the largest chunk in fp32 each) and 3 slots per
+    group of its aligned extent. Closing closes the files."""
+    for r in world(2).run(case_files_and_bytes, str(tmp_path), stage, timeout=TIMEOUT):
+        assert r["listed"] == []
+        assert r["groups"] == ["exp_avg", "exp_avg_sq", "masters"]
+        assert set(r["modes"].values()) == {0o600}
+        extent = sum(aligned(4 * n) for n in r["chunks"])
+        assert set(r["sizes"].values()) == {extent} and extent % ALIGN == 0
+        largest = max(r["chunks"])
+        rep = r["report"]
+        assert rep["nvme"] == 3 * extent
+        assert rep["master_parameters"] == 0
+        assert rep["optimizer_state"] == rep["optimizer_scalar_bytes"]  # step counters only
+        assert rep["host_gradients"] == 3 * 4 * largest
+        assert rep["host_buffers"] == 2 * 3 * 4 * largest + 3 * 3 * aligned(4 * largest)
+        assert rep["host"] == rep["optimizer_state"] + rep["host_gradients"] + rep["host_buffers"]
+        assert set(r["empty"]) == {0} and set(r["state_empty"]) == {0}
+        assert r["closed"] == [True] * 3
+
+
+# -- checkpoints, state_dict and edits: everything outside the step ------------------------------
+
+
+def _snapshot(model, opt) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
+    with zerodp.full_parameters(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, state_values(opt)
+
+
+def _run(offload: str, path: str | None):  # type: ignore[no-untyped-def]
+    model = tiny_gpt()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    extra = {"path": path} if path else {}
+    return zerodp.initialize(model, inner, offload_config(2, "bf16", offload, **extra))
+
+
+def _edit_and_step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
+    with zerodp.full_parameters(model, writeback=True), torch.no_grad():
+        model.ln_f.weight.mul_(0.5)  # written back to the masters, on NVMe here
+    clipped_step(model, opt, step)
+
+
+def case_outside_the_step(root: str) -> list[str]:
+    """A run without offload saves after 2 steps; an NVMe run loads it, edits a parameter,
+    steps, saves; the run without offload does the same: equal. The NVMe run's checkpoint loads
+    into a run without offload, and its ``state_dict`` into another NVMe run."""
+    problems = []
+    ref_model, ref = _run("none", None)
+    for step in range(2):
+        clipped_step(ref_model, ref, step)
+    zerodp.save_checkpoint(f"{root}/a", ref_model, ref)
+    nv_model, nv = _run("nvme", f"{root}/nvme")
+    zerodp.load_checkpoint(f"{root}/a", nv_model, nv)
+    for model, opt in ((ref_model, ref), (nv_model, nv)):
+        _edit_and_step(model, opt, 2)
+    want, got = _snapshot(ref_model, ref), _snapshot(nv_model, nv)
+    if not (_equal(want[0], got[0]) and _equal(want[1], got[1])):
+        problems.append("load + edit + step differs from the run without offload")
+    zerodp.save_checkpoint(f"{root}/b", nv_model, nv)
+    back_model, back = _run("none", None)
+    zerodp.load_checkpoint(f"{root}/b", back_model, back)
+    if not (_equal(got[0], _snapshot(back_model, back)[0])):
+        problems.append("the NVMe run's checkpoint loads different parameters")
+    other_model, other = _run("nvme", f"{root}/nvme")
+    other.load_state_dict(nv.state_dict())
+    if not _equal(got[1], _snapshot(other_model, other)[1]):
+        problems.append("state_dict -> load_state_dict differs")
+    for opt in (ref, nv, back, other):
+        opt.close()
+    return problems
+
+
+def _equal(a, b) -> bool:  # type: ignore[no-untyped-def]
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_checkpoints_state_dict_and_edits(world, tmp_path):
+    assert world(2).run(case_outside_the_step, str(tmp_path), timeout=TIMEOUT) == [[], []]
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def case_disk_full_in_a_step(root: str) -> tuple[str, bool]:
+    """The disk fills up when the first step creates Adam's state files: the error names it,
+    and the checkpoint saved before loads."""
+    rank, world = rank_world()
+    model, opt = _run("nvme", f"{root}/nvme")
+    zerodp.save_checkpoint(f"{root}/ckpt", model, opt)
+    saved_params = _snapshot(model, opt)[0]
+    reserve = swapfile._reserve
+
+    def full(fd: int, nbytes: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    swapfile._reserve = full  # type: ignore[assignment]
+    message = "no error"
+    try:
+        opt.backward(model_loss("gpt", model, 0, rank, world))
+        opt.step()
+        model(**{"idx": torch.zeros(2, 8, dtype=torch.long)})
+    except StreamError as exc:
+        message = str(exc)
+    finally:
+        swapfile._reserve = reserve
+    with pytest.raises(StreamError):
+        opt.close()
+    saved_model, saved = _run("none", None)
+    zerodp.load_checkpoint(f"{root}/ckpt", saved_model, saved)
+    same = _equal(saved_params, _snapshot(saved_model, saved)[0])
+    saved.close()
+    return message, same
+
+
+def test_a_full_disk_in_a_step_is_named_and_the_last_checkpoint_loads(world, tmp_path):
+    for r, (message, same) in enumerate(world(2).run(case_disk_full_in_a_step, str(tmp_path))):
+        assert f"has no room for rank{r}-exp_avg" in message, message
+        assert "(nothing was written; the last checkpoint is unaffected)" in message
+        assert same
+
+
+ADOPTION = (
+    "zerodp: adding trainable parameters after initialize (unfreezing them, add_param_group) is "
+    "not supported with ZeroConfig.offload.optimizer='nvme' yet: make them trainable before "
+    "zerodp.initialize, or use optimizer='cpu'"
+)
+
+
+def case_adoption_refused(root: str) -> list[str]:
+    rank, world = rank_world()
+    model = tiny_gpt()
+    model.ln_f.weight.requires_grad_(False)
+    inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    config = offload_config(1, "fp32", "nvme", path=root)
+    model, opt = zerodp.initialize(model, inner, config)
+    errors = []
+    with pytest.raises(NotImplementedError) as added:
+        opt.add_param_group({"params": [model.ln_f.weight]})
+    errors.append(str(added.value))
+    model.ln_f.weight.requires_grad_(True)
+    with pytest.raises(NotImplementedError) as unfrozen:
+        model_loss("gpt", model, 0, rank, world)
+    errors.append(str(unfrozen.value))
+    opt.close()
+    return errors
+
+
+def test_adding_parameters_after_initialize_is_refused(world, tmp_path):
+    results = world(1).run(case_adoption_refused, str(tmp_path), timeout=TIMEOUT)
+    assert results == [[ADOPTION, ADOPTION]]
