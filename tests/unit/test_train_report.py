@@ -200,6 +200,20 @@ def test_summary_shows_measured_and_theory_for_memory_and_comm() -> None:
     assert [row["rank"] for row in entry["memory"]] == [0, 1]
 
 
+def test_summary_of_an_offloaded_run_says_where_the_bytes_are() -> None:
+    run = _run(2)
+    for m in run.memory:
+        m.update(offload="nvme", device=9_000_000, host=2_500_000, nvme=12_288_000)
+    text = format_summary(build_report(_options(), ENV, [run]))
+    tiers = text.split("optimizer offloaded to 'nvme'; MB per rank by tier:\n")[1].splitlines()
+    assert tiers[:2] == [
+        "     0  device 9.00, host 2.50, nvme 12.3",
+        "     1  device 9.00, host 2.50, nvme 12.3",
+    ]
+    plain = format_summary(build_report(_options(), ENV, [_run(2)]))
+    assert "offloaded" not in plain
+
+
 def test_compare_table_has_one_row_per_stage() -> None:
     runs = [_run(0), _run(1, [5.0, 4.0, 3.5]), _run(2), _run(3)]
     report = build_report(_options(compare_stages=True, stages=(0, 1, 2, 3)), ENV, runs)

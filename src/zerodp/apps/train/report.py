@@ -99,7 +99,13 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
         curves={"loss": run.losses, "grad_norm": run.grad_norms, "lr": run.lrs},
         throughput=throughput(run.step_times, run.tokens_per_step),
         memory=[
-            {"rank": m["rank"], "measured": memory_measured(m), "theory": memory_theory(run, m)}
+            {
+                "rank": m["rank"],
+                "measured": memory_measured(m),
+                "theory": memory_theory(run, m),
+                "tiers": {k: m.get(k, 0) for k in ("device", "host", "nvme")},
+                "offload": m.get("offload", "none"),
+            }
             for m in run.memory
         ],
         memory_report=run.memory,

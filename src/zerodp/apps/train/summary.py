@@ -94,6 +94,22 @@ def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
         "  comm buffers: two staging buckets in the reduce dtype (stage 2, and every stage when"
         " gradients are reduced in another dtype than they are stored in)"
     )
+    return lines + _tier_lines(per_rank)
+
+
+def _tier_lines(per_rank: list[dict[str, Any]]) -> list[str]:
+    """Offloaded runs: where the bytes are (the optimizer state column above is what stays in
+    memory of it: in host memory with "cpu", only step counters with "nvme")."""
+    rows = [r for r in per_rank if r.get("offload", "none") != "none"]
+    if not rows:
+        return []
+    lines = [f"  optimizer offloaded to {rows[0]['offload']!r}; MB per rank by tier:"]
+    for row in rows:
+        t = row["tiers"]
+        lines.append(
+            f"  {row['rank']:>4}  device {format_mb(t['device'])}, host {format_mb(t['host'])}"
+            + (f", nvme {format_mb(t['nvme'])}" if row["offload"] == "nvme" else "")
+        )
     return lines
 
 
