@@ -15,6 +15,7 @@ from zerodp.comm import CollectiveError, CommStats
 from zerodp.config import LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
 from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
+from zerodp.offload.swapfile import OffloadDiskFull
 from zerodp.optim.loss_scaler import StepInfo
 from zerodp.optim.optimizer import ZeroOptimizer
 from zerodp.params import full_parameters, sharded_init
@@ -27,6 +28,7 @@ __all__ = [
     "LossScaling",
     "MemoryReport",
     "OffloadConfig",
+    "OffloadDiskFull",
     "Precision",
     "Stage3",
     "StepInfo",
