@@ -12,6 +12,7 @@ from zerodp.apps.cli.main import main
 from zerodp.memory import measure_cpu_adam, measure_disk, measure_memcpy
 
 RINGS_WORLD_1 = 2 * 4 * 4 * 16_777_216  # two rings x 4 slots x fp32 x one bucket
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -33,6 +34,17 @@ def test_cli_prints_the_three_models_and_the_largest_fit(
     assert built_cpu[-5:] == ["yes", "0.319", "cpu", "adam", "yes"]  # fits, s/step, ..., built
     assert "Largest GPT (hidden = 128 x layers) that fits without NVMe" in out
     assert "12.75B (40 layers x 5120)" in out
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/offload.md"])
+def test_the_docs_show_the_real_table(capsys: pytest.CaptureFixture[str], doc: str) -> None:
+    out = _estimate(capsys, "--offload").splitlines()
+    text = (ROOT / doc).read_text()
+    rows = [ln for ln in out if ln.startswith(("1.3B ", "6.7B ", "13B ")) and ": " not in ln]
+    table = [*rows, *(ln for ln in out if ln.startswith("Largest"))]
+    assert len(table) == 9
+    for line in table:
+        assert line in text, f"{doc} does not show: {line}"
 
 
 def test_cli_json_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
