@@ -1,4 +1,6 @@
 """``zerodp estimate``: per-rank memory of ZeRO-DP stages 0-3 across world sizes, in theory.
+``zerodp estimate --offload``: bytes per tier and step time of offload placements on a machine
+(estimate_offload.py).
 
 ``zerodp estimate --params 7.5e9 --world-sizes 1,4,16,64,256,1024`` prints the 7.5B row of the
 ZeRO paper's Table 1 (mixed-precision Adam, K = 12), with a stage-0 column added. Describe a GPT
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from typing import Any
 
+from zerodp.apps.cli import estimate_offload
 from zerodp.apps.cli.argtypes import (
     non_negative_float,
     non_negative_int,
@@ -54,7 +57,9 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = p.add_argument_group("model (give exactly one of --params, --gpt-*, --model)")
+    model = p.add_argument_group(
+        "model (give exactly one of --params, --gpt-*, --model; --offload: at most one)"
+    )
     model.add_argument(
         "--params", type=positive_float, metavar="N", help="parameter count, e.g. 7.5e9"
     )
@@ -67,9 +72,8 @@ def add_parser(subparsers: Any) -> None:
     model.add_argument(
         "--gpt-batch",
         type=positive_int,
-        default=1,
         metavar="B",
-        help="micro-batch per rank (default 1)",
+        help=f"micro-batch per rank (default 1; {estimate_offload.DEFAULT_BATCH} with --offload)",
     )
     model.add_argument(
         "--model", metavar="MODULE:FACTORY", help="count a model built on the meta device"
@@ -77,9 +81,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--world-sizes",
         type=_world_sizes,
-        default=[1, 4, 16, 64, 256, 1024],
         metavar="N,N,...",
-        help="comma-separated data-parallel degrees (default 1,4,16,64,256,1024)",
+        help="comma-separated data-parallel degrees (default 1,4,16,64,256,1024; --offload: "
+        "one, default 1)",
     )
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16")
     p.add_argument(
@@ -115,16 +119,36 @@ def add_parser(subparsers: Any) -> None:
         help="parameters of the largest stage-3 gather unit (default: from --gpt-*, else 0)",
     )
     p.add_argument(
-        "--device-memory-gb", type=positive_float, metavar="GB", help="memory per device (1e9 B)"
+        "--device-memory-gb",
+        type=positive_float,
+        metavar="GB",
+        help="memory per device (1e9 B); with --offload it replaces the machine's",
     )
-    p.add_argument("--activation-checkpointing", action="store_true", help="with --gpt-* only")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="with --gpt-* only; with --offload: always (else both are tried)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    estimate_offload.add_arguments(p)
     p.set_defaults(func=run, estimate_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Compute the estimates for every world size and stage and print them."""
     parser: argparse.ArgumentParser = args.estimate_parser
+    if args.offload:
+        if args.gpt_batch is None:
+            args.gpt_batch = estimate_offload.DEFAULT_BATCH
+        models = [] if not _model_given(args) else [_model_size(args, parser)]
+        return estimate_offload.run(args, parser, models)
+    stray = estimate_offload.given_offload_flags(args)
+    if stray:
+        parser.error(f"{', '.join(stray)}: needs --offload")
+    if args.gpt_batch is None:
+        args.gpt_batch = 1
+    if args.world_sizes is None:
+        args.world_sizes = [1, 4, 16, 64, 256, 1024]
     num_params, shape = _model_size(args, parser)
     if args.activation_checkpointing and shape is None:
         parser.error("--activation-checkpointing needs a GPT description (--gpt-*)")
@@ -164,6 +188,11 @@ def format_gb(num_bytes: float) -> str:
         step = Decimal(1).scaleb(value.adjusted() - 1)
         rounded = value.quantize(step, rounding=ROUND_HALF_UP)
     return format(rounded.normalize(), "f")
+
+
+def _model_given(args: argparse.Namespace) -> bool:
+    gpt = any(getattr(args, flag) is not None for flag in _GPT_FLAGS)
+    return gpt or args.params is not None or args.model is not None
 
 
 def _model_size(
