@@ -8,7 +8,6 @@ measured here.
 
 from __future__ import annotations
 
-import mmap
 import os
 import statistics
 import tempfile
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MiB = 2**20
-_DISK_BLOCK = 8 * MiB  # one write/read call; a multiple of any O_DIRECT alignment
+_DISK_BLOCK = 8 * MiB  # one write/read call
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,54 +72,40 @@ def measure_memcpy(nbytes: int = 128 * MiB, repeats: int = 5) -> Measurement:
 
 
 def measure_disk(directory: str | None = None, nbytes: int = 256 * MiB) -> list[Measurement]:
-    """Write (then fsync) and read back a file of ``nbytes`` in ``directory`` (a temporary
-    directory by default), with ``O_DIRECT`` where the file system allows it. Without it the
-    read follows ``posix_fadvise(DONTNEED)`` so that it comes from the disk, not the page
-    cache, as far as the kernel honours it. The file is removed."""
-    block = min(_DISK_BLOCK, max(mmap.PAGESIZE, nbytes // mmap.PAGESIZE * mmap.PAGESIZE))
+    """Write (then fsync) and read back ``nbytes`` in ``directory`` (the temporary directory by
+    default) through the NVMe tier's own ``SwapFile`` ([Note: swap files]): the same aligned
+    transfers, ``O_DIRECT`` where the file system allows it, the same reserved, unlinked file.
+    Without ``O_DIRECT`` the read follows ``posix_fadvise(DONTNEED)`` so that it comes from the
+    disk, not the page cache, as far as the kernel honours it."""
+    import torch
+
+    from zerodp.offload.swapfile import ALIGN, SwapFile, aligned_empty
+    from zerodp.streams import make_streams
+
+    where = directory or tempfile.gettempdir()
+    block = min(_DISK_BLOCK, max(ALIGN, nbytes // ALIGN * ALIGN))
     blocks = max(1, nbytes // block)
     total = block * blocks
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
-    buf.write(os.urandom(block))
+    buf = aligned_empty(make_streams(torch.device("cpu")), block)
+    buf.copy_(torch.randint(0, 256, (block,), dtype=torch.uint8))  # nothing to compress
+    f = SwapFile(where, "disk-probe", total)
     try:
-        with tempfile.TemporaryDirectory(dir=directory, prefix="zerodp-disk-") as tmp:
-            path = os.path.join(tmp, "probe.bin")
-            try:
-                write_s, read_s = _write_read(path, buf, blocks, direct=True)
-                method = "O_DIRECT"
-            except OSError:  # tmpfs and some file systems refuse O_DIRECT
-                write_s, read_s = _write_read(path, buf, blocks, direct=False)
-                method = "buffered, fsync, fadvise(DONTNEED) before the read"
+        start = time.perf_counter()
+        for i in range(blocks):
+            f.write(i * block, buf)
+        os.fsync(f.fd)
+        write_s = time.perf_counter() - start
+        if not f.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        for i in range(blocks):
+            f.read(i * block, buf)
+        read_s = time.perf_counter() - start
+        method = "O_DIRECT" if f.direct else "buffered, fsync, fadvise(DONTNEED) before the read"
     finally:
-        buf.close()
-    where = f"{total / MiB:g} MiB in {directory or tempfile.gettempdir()}, {method}"
+        f.close()
+    where = f"{total / MiB:g} MiB in {where}, {method}"
     return [
         Measurement("disk_write_bytes_per_s", total / write_s, "B/s", f"write + fsync, {where}"),
         Measurement("disk_read_bytes_per_s", total / read_s, "B/s", f"read, {where}"),
     ]
-
-
-def _write_read(path: str, buf: mmap.mmap, blocks: int, *, direct: bool) -> tuple[float, float]:
-    flag = getattr(os, "O_DIRECT", 0) if direct else 0
-    if direct and not flag:
-        raise OSError("no O_DIRECT on this platform")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
-    try:
-        start = time.perf_counter()
-        for _ in range(blocks):
-            os.write(fd, buf)
-        os.fsync(fd)
-        write_s = time.perf_counter() - start
-    finally:
-        os.close(fd)
-    fd = os.open(path, os.O_RDONLY | flag)
-    try:
-        if not direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        for _ in range(blocks):
-            os.readv(fd, [buf])
-        read_s = time.perf_counter() - start
-    finally:
-        os.close(fd)
-    return write_s, read_s
