@@ -208,9 +208,16 @@ class ZeroEngine:
         swap = None
         if plan.offload_optimizer == "nvme":
             assert plan.offload_path is not None
-            where = (self.landing.streams, plan.offload_path, self.comm.rank)
-            swap = partial(SwapStore, *where, pieces=self.pieces, optimizer=optimizer)
-            swap = partial(swap, masters=self.masters, slots=plan.offload_ring)
+            swap = partial(
+                SwapStore,
+                self.landing.streams,
+                plan.offload_path,
+                self.comm.rank,
+                pieces=self.pieces,
+                optimizer=optimizer,
+                masters=self.masters,
+                slots=plan.offload_ring,
+            )
         return OffloadStep(*args, order, plan.offload_ring, swap)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -96,7 +96,7 @@ class MemoryReport:
                 "optimizer state",
                 self.optimizer_state,
                 _theory_note(theory.get("optimizer_state"))
-                + _where(self.offload)
+                + _WHERE[self.offload]
                 + f"; fp32 masters {self.master_parameters:,} B"
                 f", step counters {self.optimizer_scalar_bytes:,} B",
             ),
@@ -250,7 +250,3 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 _WHERE = {"none": "", "cpu": " (in host memory)", "nvme": " (in memory; the rest on NVMe)"}
-
-
-def _where(offload: str) -> str:
-    return _WHERE[offload]

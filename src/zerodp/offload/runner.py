@@ -103,6 +103,7 @@ class OffloadStep:
         # On NVMe ([Note: optimizer state on NVMe]) the host fp32 gradient is a ring too.
         self.swap = swap(self.chunks) if swap is not None else None
         self.grad_slots = slots if self.swap is not None else 0
+        self._grad_slot = largest  # elements per gradient ring slot
         grad_numel = largest * slots if self.grad_slots else offset
         self.host_grad = torch.empty(grad_numel, dtype=torch.float32)
         self.incoming = TransferRing(self.streams, slots, largest)
@@ -112,8 +113,8 @@ class OffloadStep:
         """Where chunk ``k`` of a step's work list gets its fp32 gradient."""
         if not self.grad_slots:
             return self.host_grad.narrow(0, chunk.offset, chunk.numel)
-        largest = self.host_grad.numel() // self.grad_slots
-        return self.host_grad.narrow(0, (k % self.grad_slots) * largest, chunk.numel)
+        start = (k % self.grad_slots) * self._grad_slot
+        return self.host_grad.narrow(0, start, chunk.numel)
 
     # -- on the device, unchanged --------------------------------------------------------------
 
@@ -218,8 +219,9 @@ class _StepRun:
         self.copied: list[Event | None] = [None] * len(work)
         self.updated: list[Event | None] = [None] * len(work)
         self.swapped: list[Event | None] = [None] * len(work)  # NVMe: read into its slot
-        self.reader = streams.host("offload-read")
-        self.writer = streams.host("offload-write")
+        if runner.swap is not None:  # worker threads start on first use: only on NVMe
+            self.reader = streams.host("offload-read")
+            self.writer = streams.host("offload-write")
 
     def start(self) -> Event:
         """Queue every chunk; the event of the last unpack (all gradients on the host)."""

@@ -83,8 +83,7 @@ class SwapStore:
         self.writes: list[Event] = []  # of the last step, waited by ``wait``
         self._group(MASTERS)
         for k, c in enumerate(chunks):  # the initial masters, then none in host memory
-            slot = self.section(MASTERS, 0)
-            slot.narrow(0, 0, c.numel).copy_(masters.storage(c.seg).region(c.bucket))
+            self.masters_of(k, 0).copy_(masters.storage(c.seg).region(c.bucket))
             self._write_group(MASTERS, k, 0)
         for c in chunks:
             for i, _, _ in c.pieces:
