@@ -93,8 +93,7 @@ def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the scheduler's "step() before" warning
         train_steps(kind, model, opt, sched, steps)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = full_params(model)
     # Through state_dict: on NVMe the optimizer's own tensors are empty between steps.
     state = state_values(opt)
     report = opt.memory_report()
@@ -107,3 +106,14 @@ def state_values(opt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     entries are in the order the steps created them, which offload changes)."""
     state = opt.state_dict()["state"]
     return [v for k in sorted(state) for v in state[k].values()]
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (stage 3: gathered), cloned."""
+    with zerodp.full_parameters(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def differing(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not bitwise equal."""
+    return [n for n in want if not torch.equal(want[n], got[n])]

@@ -16,6 +16,7 @@ import torch
 from offloadtest import (
     STAGES,
     TIMEOUT,
+    differing,
     gpt_batch,
     model_loss,
     offload_config,
@@ -41,7 +42,7 @@ def case_parity(kind: str, precisions: tuple[str, ...]) -> list[str]:
             assert report.offload == "cpu" and report.host > 0, "the run was not offloaded"
             if stage == 3:
                 assert (report.persistent_parameters > 0) == bool(persist), "persistent ones?"
-            names = [n for n in want if not torch.equal(want[n], got[n])]
+            names = differing(want, got)
             states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
             if names or states:
                 differ.append(f"stage {stage} {precision}: params {names[:3]}, {states} states")

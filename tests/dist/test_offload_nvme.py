@@ -18,6 +18,8 @@ from offloadtest import (
     STAGES,
     TIMEOUT,
     clipped_step,
+    differing,
+    full_params,
     model_loss,
     offload_config,
     state_values,
@@ -42,7 +44,7 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
             config = offload_config(stage, precision, "nvme", path=root, ring_buckets=2)
             got, got_state, report = train(kind, config)
             assert report.offload == "nvme" and report.nvme > 0, "the run was not on NVMe"
-            names = [n for n in want if not torch.equal(want[n], got[n])]
+            names = differing(want, got)
             states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
             if names or states or len(want_state) != len(got_state):
                 differ.append(f"stage {stage} {precision}: params {names[:3]}, {states} states")
@@ -125,9 +127,7 @@ def test_files_are_private_and_host_bytes_exact(world, tmp_path, stage):
 
 
 def _snapshot(model, opt) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return params, state_values(opt)
+    return full_params(model), state_values(opt)
 
 
 def _run(offload: str, path: str | None):  # type: ignore[no-untyped-def]

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from offloadtest import STAGES, TIMEOUT, clipped_step, fresh_run, offload_config, tiny_gpt
+from offloadtest import (
+    STAGES,
+    TIMEOUT,
+    clipped_step,
+    differing,
+    fresh_run,
+    full_params,
+    offload_config,
+    tiny_gpt,
+)
 from zerotest import rank_world
 
 import zerodp
@@ -33,9 +42,7 @@ def case_resume(roots: list[str], stage: int, precision: str) -> dict[str, dict[
             model, opt = fresh_run(stage, offload, precision)
             zerodp.load_checkpoint(root, model, opt)
             clipped_step(model, opt, 2)
-            with zerodp.full_parameters(model):
-                params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            out[f"{Path(root).name} loaded with offload={offload}"] = params
+            out[f"{Path(root).name} loaded with offload={offload}"] = full_params(model)
             opt.close()
     return out
 
@@ -80,15 +87,14 @@ def _train_unfrozen(stage: int, offload: str) -> dict[str, torch.Tensor]:
         if step == 2:
             opt.add_param_group({"params": head, "lr": 1e-2, "weight_decay": 0.0})
         clipped_step(model, opt, step)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = full_params(model)
     opt.close()
     return params
 
 
 def case_adopted(stage: int) -> list[str]:
     want, got = _train_unfrozen(stage, "none"), _train_unfrozen(stage, "cpu")
-    return [n for n in want if not torch.equal(want[n], got[n])]
+    return differing(want, got)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -124,15 +130,14 @@ def _edited(stage: int, offload: str) -> dict[str, torch.Tensor]:
     with zerodp.full_parameters(model):  # weight surgery between steps reaches the masters
         model.blocks[0].mlp.c_fc.weight.data[:3].mul_(0.5)
     clipped_step(model, opt, 1)
-    with zerodp.full_parameters(model):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = full_params(model)
     opt.close()
     return params
 
 
 def case_edits(stage: int) -> list[str]:
     want, got = _edited(stage, "none"), _edited(stage, "cpu")
-    return [n for n in want if not torch.equal(want[n], got[n])]
+    return differing(want, got)
 
 
 @pytest.mark.parametrize("stage", STAGES)
