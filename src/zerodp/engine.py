@@ -35,7 +35,7 @@ from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
 from zerodp.offload.landing import Landing
-from zerodp.offload.refuse import refuse_adoption, refuse_unbuilt_tiers
+from zerodp.offload.refuse import refuse_adoption
 from zerodp.offload.runner import OffloadStep
 from zerodp.offload.swap import SwapStore
 from zerodp.optim import misuse
@@ -92,7 +92,6 @@ class ZeroEngine:
     ) -> None:
         self.config = config
         self.plan = resolve(config)
-        refuse_unbuilt_tiers(self.plan)
         self.comm = Communicator(process_group, CommLedger(), config.watchdog_s)
         self.model = model
         named = _unique_named_parameters(model)
@@ -125,14 +124,14 @@ class ZeroEngine:
         self.landing: Landing | None = Landing(make_streams(device)) if offload else None
         self._hooks: list[Any] = []
         self._hooks += self.cast.install(model, self.segments, self.frozen)
+        if self.landing is not None:  # stage 3 may move the shards off the device here
+            self.param_sync.attach_landing(self.landing)
         self._reduce_dtype = plan.reduce_dtype  # also fp32 parameters with bf16 reduction
         self.reducer = self._grad_sync()
         self.pieces = self._build_pieces()
         rebind_optimizer(optimizer, self.pieces, self.segments)
         self.runner = self._runner(optimizer)
         self.param_gather = self.param_sync.gather
-        if self.landing is not None:
-            self.param_sync.attach_landing(self.landing)
         self.param_sync.install(model)
         self.optimizer = optimizer
         self.loss = make_loss_policy(plan, config.precision)
@@ -218,7 +217,7 @@ class ZeroEngine:
                 masters=self.masters,
                 slots=plan.offload_ring,
             )
-        return OffloadStep(*args, order, plan.offload_ring, swap)
+        return OffloadStep(*args, order, plan.offload_ring, swap, self.param_sync.home)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
@@ -464,6 +463,8 @@ class ZeroEngine:
             stage3=self.param_sync.unit_bytes(),
             offload=self.plan.offload_optimizer,
             host=self.runner.host_nbytes,
+            params_offload=self.plan.offload_params,
+            params_home=self.param_sync.home_bytes(),
         )
 
     @property

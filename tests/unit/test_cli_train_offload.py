@@ -91,8 +91,9 @@ def test_nvme_tiers_take_the_offload_dir() -> None:
 
 
 def test_params_cpu_at_stage_3() -> None:
-    o = _parse("--stage", "3", "--offload-params", "cpu")
-    assert o.zero_config(3, param_bytes=10**9).offload == OffloadConfig(params="cpu")
+    o = _parse("--stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu")
+    want = OffloadConfig(optimizer="cpu", params="cpu")
+    assert o.zero_config(3, param_bytes=10**9).offload == want
 
 
 def test_options_with_offload_pickle_and_report_as_plain_values() -> None:

@@ -138,13 +138,36 @@ def test_optimizer_offload_needs_stage_1_to_3(tier: str) -> None:
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_params_offload_needs_stage_3(tier: str) -> None:
     path = "/x" if tier == "nvme" else None
-    offload = OffloadConfig(params=tier, path=path)
-    for stage in (0, 1, 2):
+    offload = OffloadConfig(optimizer="cpu", params=tier, path=path)
+    for stage in (1, 2):  # stage 0 names the optimizer first (the test below)
         expected = PARAMS_BELOW_STAGE_3.format(tier=tier, stage=stage)
         assert _message(partial(ZeroConfig, stage=stage, offload=offload)) == expected
         assert _message(partial(check_offload_stage, offload, stage)) == expected
     check_offload_stage(offload, 3)
     assert ZeroConfig(stage=3, offload=offload).offload is offload
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_params_offload_needs_the_optimizer_offloaded(tier: str) -> None:
+    """After the stage rules (stage 2 names the stage), at any stage."""
+    path = "/x" if tier == "nvme" else None
+    alone = OffloadConfig(params=tier, path=path)
+    expected = (
+        f"ZeroConfig.offload.params={tier!r} needs the optimizer offloaded too: set "
+        "ZeroConfig.offload.optimizer to 'cpu' or 'nvme' (the step writes the updates into the "
+        "shards' home; fp32 masters on the device would also take more memory than the "
+        "parameters offloaded)"
+    )
+    assert _message(partial(ZeroConfig, stage=3, offload=alone)) == expected
+    plain = {"params": tier, **({"path": path} if path else {})}
+    assert _message(lambda: ZeroConfig.from_dict({"stage": 3, "offload": plain})) == expected
+    assert _message(partial(check_offload_stage, alone, 2)) == PARAMS_BELOW_STAGE_3.format(
+        tier=tier, stage=2
+    )
+    for optimizer in ("cpu", "nvme"):
+        nvme = "nvme" in (optimizer, tier)
+        both = OffloadConfig(optimizer=optimizer, params=tier, path="/x" if nvme else None)
+        assert ZeroConfig(stage=3, offload=both).offload is both
 
 
 def test_optimizer_rule_is_checked_before_the_params_rule() -> None:

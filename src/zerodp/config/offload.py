@@ -30,7 +30,9 @@ class OffloadConfig(Policy):
     the same values as without offload). ``"nvme"``: in files under ``path``."""
 
     params: str = "none"
-    """Stage 3: where the parameter shards rest between uses (``"cpu"``, ``"nvme"``)."""
+    """Stage 3: where the parameter shards rest between gathers: ``"cpu"`` in host memory,
+    ``"nvme"`` in a file under ``path``; the device then holds only the units gathered now.
+    Needs ``optimizer`` offloaded too (the step writes the updates into the shards' home)."""
 
     path: str | None = None
     """Directory for the ``"nvme"`` tier's files (one per rank and tensor group, private to the
@@ -69,7 +71,8 @@ class OffloadConfig(Policy):
 
 
 def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
-    """The stage-dependent rules (called by ``ZeroConfig``)."""
+    """The stage-dependent rules, then the one between the two tiers (called by
+    ``ZeroConfig``)."""
     if offload.optimizer_offloaded and stage == 0:
         raise ValueError(
             f"{field_path(offload, 'optimizer')}={offload.optimizer!r} needs stage 1, 2 or 3 "
@@ -79,4 +82,11 @@ def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
         raise ValueError(
             f"{field_path(offload, 'params')}={offload.params!r} needs stage 3 (only stage 3 "
             f"shards the parameters); got stage {stage}"
+        )
+    if offload.params_offloaded and not offload.optimizer_offloaded:
+        raise ValueError(
+            f"{field_path(offload, 'params')}={offload.params!r} needs the optimizer offloaded "
+            f"too: set {field_path(offload, 'optimizer')} to 'cpu' or 'nvme' (the step writes "
+            "the updates into the shards' home; fp32 masters on the device would also take more "
+            "memory than the parameters offloaded)"
         )

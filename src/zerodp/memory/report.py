@@ -55,23 +55,30 @@ class MemoryReport:
     host_gradients: int = 0
     host_buffers: int = 0
     nvme: int = 0
+    # Parameter offload (stage 3, ZeroConfig.offload.params): ``parameters`` is then what stays
+    # on the device (persistent parameters), the unit shards are ``host_parameters`` ("cpu") or
+    # in a file counted in ``nvme`` ("nvme", whose read ring is in ``host_buffers``).
+    params_offload: str = "none"
+    host_parameters: int = 0
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
+        """In memory, device and host (what is on NVMe is not)."""
+        return self.parameters + self.host_parameters + self.gradients + self.optimizer_state
 
     @property
     def host(self) -> int:
         """Bytes held in host memory for the offloaded step (0 without offload)."""
         if self.offload == "none":
             return 0
-        return self.optimizer_state + self.host_gradients + self.host_buffers
+        return self.optimizer_state + self.host_gradients + self.host_buffers + self.host_parameters
 
     @property
     def device(self) -> int:
         """Bytes held on the device: every category above that is not in host memory."""
         total = self.model_states + self.comm_buffers + self.frozen_parameters
         total += self.step_transient
+        total -= self.host_parameters
         return total - (self.optimizer_state if self.offload != "none" else 0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +97,7 @@ class MemoryReport:
             f"Ψ = {self.num_params:,} trainable parameters ({self.padded_numel:,} stored)"
         )
         rows: list[tuple[str, int, str]] = [
-            ("parameters", self.parameters, _theory_note(theory.get("parameters"))),
+            ("parameters", self.parameters, self._params_note(theory)),
             ("gradients", self.gradients, _theory_note(theory.get("gradients"))),
             (
                 "optimizer state",
@@ -123,19 +130,36 @@ class MemoryReport:
                 ("gathered peak", self.gathered_peak, f"bound {self.gathered_bound:,} B"),
                 ("largest unit", self.largest_unit, "gathered"),
             ]
+        if self.params_offload == "cpu":
+            rows.append(("host parameters", self.host_parameters, "unit shards, in host memory"))
         if self.offload != "none":
             rows += [
                 ("host gradients", self.host_gradients, "fp32 copy of the owned gradients"),
                 ("host rings", self.host_buffers, "transfer buffers, offload.ring_buckets"),
-                ("host total", self.host, "optimizer state + host gradients + rings"),
+                (
+                    "host total",
+                    self.host,
+                    "optimizer state + host gradients + rings"
+                    + (" + host parameters" if self.host_parameters else ""),
+                ),
                 ("device total", self.device, "everything else above"),
             ]
-        if self.offload == "nvme":
-            rows.append(("nvme", self.nvme, "masters and optimizer state, files in offload.path"))
+        if self.nvme:
+            what = [
+                *(["masters and optimizer state"] if self.offload == "nvme" else []),
+                *(["parameter shards"] if self.params_offload == "nvme" else []),
+            ]
+            rows.append(("nvme", self.nvme, " and ".join(what) + ", files in offload.path"))
         lines = [head]
         for label, value, note in rows:
             lines.append(f"  {label:<18}{value:>16,} B {value / 2**20:>10.3f} MiB   {note}")
         return "\n".join(lines)
+
+    def _params_note(self, theory: dict[str, Any]) -> str:
+        if self.params_offload == "none":
+            return _theory_note(theory.get("parameters"))
+        where = "in host memory" if self.params_offload == "cpu" else "on NVMe"
+        return f"on the device: persistent parameters only; the unit shards are {where}"
 
     def __str__(self) -> str:
         return self.table()
@@ -173,6 +197,8 @@ class Holdings:
     stage3: dict[str, int] = field(default_factory=dict)  # MemoryReport's stage-3 fields
     offload: str = "none"
     host: dict[str, int] = field(default_factory=dict)  # MemoryReport's host_* fields
+    params_offload: str = "none"
+    params_home: dict[str, int] = field(default_factory=dict)  # host_parameters, nvme
 
 
 def measure(held: Holdings) -> MemoryReport:
@@ -194,9 +220,18 @@ def measure(held: Holdings) -> MemoryReport:
         precision=held.precision,
         theory=_theory(held),
         offload=held.offload,
+        params_offload=held.params_offload,
         **held.stage3,
-        **held.host,
+        **_tiers(held.host, held.params_home),
     )
+
+
+def _tiers(optimizer: dict[str, int], params: dict[str, int]) -> dict[str, int]:
+    """The offloaded step's host and NVMe bytes, plus the parameter home's."""
+    out = dict(optimizer)
+    for key, value in params.items():
+        out[key] = out.get(key, 0) + value
+    return out
 
 
 def _theory(held: Holdings) -> ModelStateBytes | None:

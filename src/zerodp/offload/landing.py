@@ -2,7 +2,9 @@
 
 The offloaded step ([Note: offloaded step] in runner.py) returns before the CPU has stepped
 every bucket. For each bucket it leaves here the event of the host work that steps it; that
-work's result is the event of the copy back to the device. Whoever reads a bucket's parameters
+work's result is the event of the copy back to the device, or of the write to the parameters'
+file (``offload.params="nvme"``), or None where the host work itself wrote the parameters
+(``offload.params="cpu"``). Whoever reads a bucket's parameters
 first waits for its landing: the stage 1-2 all-gather of the bucket (``DeferredGather``), the
 stage 3 gather of a unit's shards (``Gatherer``), and ``wait_all`` before anything that reads
 parameters or masters outside the step's order (the next step, checkpoints, reads through the
@@ -30,12 +32,19 @@ class Landing:
             return
         # Raises if the host work failed, and again at every later wait: the bucket was not
         # updated, and nothing may read it as if it had been.
-        self.streams.compute.wait(stepped.result())
+        copied = stepped.result()
+        if copied is not None:
+            self.streams.compute.wait(copied)
         del self._pending[(seg, bucket)]
 
     def wait_segment(self, seg: int) -> None:
         for s, b in [key for key in self._pending if key[0] == seg]:
             self.wait(s, b)
+
+    def pending_events(self, seg: int) -> list[Event]:
+        """The host work of the segment's updates not waited for yet (a worker that reads what
+        they write waits for them itself: ``event.result()``, then that event if not None)."""
+        return [e for (s, _), e in self._pending.items() if s == seg]
 
     def wait_all(self) -> None:
         for s, b in list(self._pending):

@@ -1,18 +1,9 @@
 """What the offload tiers do not support yet is refused before anything is touched (rather than
-silently run without it): unbuilt tiers at ``initialize``, adoption of new trainable parameters
-with the NVMe tier."""
+silently run without it): adoption of new trainable parameters with the NVMe tier."""
 
 from __future__ import annotations
 
 from zerodp.plan import Plan
-
-
-def refuse_unbuilt_tiers(plan: Plan) -> None:
-    if plan.offload_params != "none":
-        raise NotImplementedError(
-            f"ZeroConfig.offload.params={plan.offload_params!r} is not available in this "
-            "version of zerodp: use 'none' (parameter shards on the device)"
-        )
 
 
 def refuse_adoption(plan: Plan) -> None:

@@ -44,6 +44,7 @@ from functools import partial
 import torch
 
 from zerodp.comm import Communicator
+from zerodp.offload.home import ShardHome
 from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
@@ -81,6 +82,7 @@ class OffloadStep:
         order: list[tuple[int, int]],
         slots: int,
         swap: Callable[[list[HostChunk]], SwapStore] | None = None,
+        home: ShardHome | None = None,
     ) -> None:
         self.segments = segments
         self.pieces = pieces
@@ -107,7 +109,11 @@ class OffloadStep:
         grad_numel = largest * slots if self.grad_slots else offset
         self.host_grad = torch.empty(grad_numel, dtype=torch.float32)
         self.incoming = TransferRing(self.streams, slots, largest)
-        self.outgoing = TransferRing(self.streams, slots, largest)
+        # Stage 3's offloaded shards take the updates instead of the device ([Note: offloaded
+        # parameters] in home.py); on NVMe through these slots, written with O_DIRECT.
+        self.home = home
+        aligned = home is not None and home.aligned
+        self.outgoing = TransferRing(self.streams, slots, largest, aligned=aligned)
 
     def host_gradient(self, k: int, chunk: HostChunk) -> torch.Tensor:
         """Where chunk ``k`` of a step's work list gets its fp32 gradient."""
@@ -173,6 +179,8 @@ class OffloadStep:
         if self.swap is not None:  # the last step's writes are done (raises what failed)
             self.landing.wait_all()
             self.swap.wait()
+        if self.home is not None:  # what it read ahead is about to change
+            self.home.invalidate()
         index = [
             j for j, c in enumerate(self.chunks) if any(self._used(k, used) for k, _, _ in c.pieces)
         ]
@@ -268,7 +276,7 @@ class _StepRun:
         if ahead < len(self.work):  # this slot is free again
             self.fetched[ahead] = self._fetch(ahead)
 
-    def _update(self, k: int, unpacked: Event) -> Event:
+    def _update(self, k: int, unpacked: Event) -> Event | None:
         unpacked.wait()
         c = self.work[k]
         swap = self.r.swap
@@ -284,16 +292,13 @@ class _StepRun:
         slots = self.r.outgoing.slots
         if k >= slots:  # the copy that last used this slot
             previous = self.copied[k - slots]
-            assert previous is not None
-            previous.wait()
-        dst = self.r.segments[c.seg].param_storage(self.r.masters.owner).region(c.bucket)
-        slot = self.r.outgoing.view(k, c.numel, dst.dtype)
+            if previous is not None:
+                previous.wait()
         if swap is not None:
             masters = swap.masters_of(self.index[k], k)
         else:
             masters = self.r.masters.storage(c.seg).region(c.bucket)
-        slot.copy_(masters)  # the cast to the params'
-        copied = self.h2d.submit(partial(dst.copy_, slot, non_blocking=True), uses=[dst])
+        copied = self._land(k, c, masters)
         self.copied[k] = copied
         if swap is not None:
             written = self.writer.submit(partial(swap.write, self.index[k], k))
@@ -302,6 +307,17 @@ class _StepRun:
             if ahead < len(self.work):  # into this slot, once written back
                 self.swapped[ahead] = self.reader.submit(partial(self._read, ahead, written))
         return copied
+
+    def _land(self, k: int, c: HostChunk, masters: torch.Tensor) -> Event | None:
+        """The updated masters into the parameters: through an outgoing slot to the device,
+        or into the shard's home (offloaded parameters). The event of that copy or write."""
+        home = self.r.home
+        if home is not None and home.holds(c.seg):  # persistent segments stay on the device
+            return home.land(c.seg, c.bucket, masters, self.r.outgoing.raw(k))
+        dst = self.r.segments[c.seg].param_storage(self.r.masters.owner).region(c.bucket)
+        slot = self.r.outgoing.view(k, c.numel, dst.dtype)
+        slot.copy_(masters)  # the cast to the params'
+        return self.h2d.submit(partial(dst.copy_, slot, non_blocking=True), uses=[dst])
 
     def _read(self, k: int, after: Event | None) -> None:
         """NVMe: chunk ``k``'s masters and state into its slot ([Note: optimizer state on

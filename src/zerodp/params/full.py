@@ -61,7 +61,9 @@ def full_parameters(
     finally:
         with access.comm.untracked():
             if ok and writeback:
-                write_back(access.comm, access.masters, segs, rank)
+                write_back(
+                    access.comm, access.masters, segs, rank, sharded.home if sharded else None
+                )
                 if rank is not None:
                     _broadcast_frozen(access, modules, rank)
             if sharded is not None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from zerodp.comm import Communicator
 from zerodp.config import Stage3
+from zerodp.offload.home import ShardHome
 from zerodp.params.access import guard_parameters
 from zerodp.params.build import Builder, InitFn, Named
 from zerodp.params.hooks import Schedule
@@ -51,6 +52,7 @@ class ShardedParams:
     construction_peak: int  # bytes (sharded construction only; 0 otherwise)
     grads: ShardedGrads | None
     schedule: Schedule | None
+    home: ShardHome | None  # where the unit shards rest, when offloaded (ParamSync sets it)
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class ShardedParams:
         guard_parameters([p for u in self.units for s in u.segments for p in s.params], self)
         self.grads = None
         self.schedule = None
+        self.home = None
 
     def _sharded(self, i: int) -> ShardedSegment:
         seg = self.segments[i]
@@ -254,8 +257,10 @@ class ShardedParams:
     # -- accounting ------------------------------------------------------------------------------
 
     def param_bytes(self) -> int:
-        """Parameters held at rest: shards, plus persistent parameters (full)."""
-        return sum(u.shard_nbytes for u in self.units) + self.persistent_bytes()
+        """Parameters held at rest on the device: shards (unless offloaded), plus persistent
+        parameters (full)."""
+        shards = sum(u.shard_nbytes for u in self.units) if self.home is None else 0
+        return shards + self.persistent_bytes()
 
     def persistent_bytes(self) -> int:
         return sum(_nbytes(self.segments[i].param_buffer) for i in self.persistent_seg_ids)

@@ -106,7 +106,13 @@ class ShardedSegment(Segment):
 
     @property
     def shard_nbytes(self) -> int:
+        """Of the shard held now (0 while it rests on NVMe: [Note: offloaded parameters])."""
         return self.shard.numel() * self.shard.element_size()
+
+    @property
+    def shard_numel_bytes(self) -> int:
+        """Of this rank's shard, wherever it rests."""
+        return self.layout.shard_numel * self.dtype.itemsize
 
     # -- lifecycle (driven by zerodp.params.unit) --------------------------------------------
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import Communicator
+from zerodp.offload.home import ShardHome, resident
 from zerodp.optim.masters import Masters
 from zerodp.params.manager import ShardedParams
 from zerodp.params.segment import ShardedSegment
@@ -32,11 +33,15 @@ from zerodp.partition.segment import Segment
 
 
 def write_back(
-    comm: Communicator, masters: Masters, segs: Sequence[tuple[int, Segment]], rank: int | None
+    comm: Communicator,
+    masters: Masters,
+    segs: Sequence[tuple[int, Segment]],
+    rank: int | None,
+    home: ShardHome | None = None,
 ) -> None:
     """Make shards and masters of ``segs`` (index, segment) agree with their full buffers;
-    see [Note: writeback]."""
-    with torch.no_grad(), masters.resident(write=True):
+    see [Note: writeback]. ``home``: where offloaded shards rest."""
+    with torch.no_grad(), masters.resident(write=True), resident(home, write=True):
         for i, seg in segs:
             if rank is not None:
                 comm.broadcast(seg.param_buffer, src=rank)
@@ -48,7 +53,7 @@ def _write_back_segment(i: int, seg: Segment, masters: Masters) -> None:
     if isinstance(seg, ShardedSegment):
         owned = seg.owned_view()
         if masters.separate:
-            _copy_changed(master.data, owned, before=seg.shard)
+            _copy_changed(master.data, owned, before=seg.shard.to(owned.device))
         seg.shard.copy_(owned)
         return
     if not masters.separate:  # fp32 stages 0-2 / persistent: the masters view the parameters
@@ -100,7 +105,7 @@ class StateDictHooks:
                 segs = [
                     (i, s) for u in outermost for i, s in zip(u.seg_ids, u.segments, strict=True)
                 ]
-                write_back(self.comm, self.masters, segs, None)
+                write_back(self.comm, self.masters, segs, None, self.sharded.home)
                 if self.sharded.units[0] in outermost:
                     write_back(self.comm, self.masters, self.sharded.persistent_segments(), None)
             self.sharded.unpin(units)

@@ -23,6 +23,7 @@ from zerodp.comm import Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.grads.sync import GradSync
+from zerodp.offload.home import ShardHome, make_home, resident
 from zerodp.offload.landing import Landing
 from zerodp.optim.masters import Masters
 from zerodp.params.deferred import DeferredGather
@@ -79,7 +80,15 @@ class ParamSync(Protocol):
 
     def attach_landing(self, landing: Landing) -> None:
         """Make every gather of a bucket wait for its offloaded update ([Note: offloaded
-        step]); before ``install``."""
+        step]); stage 3 with offloaded parameters also moves the shards to their home
+        ([Note: offloaded parameters]). After the cast, before the pieces are built."""
+
+    @property
+    def home(self) -> ShardHome | None:
+        """Where stage 3's unit shards rest when offloaded (``attach_landing`` made it)."""
+
+    def home_bytes(self) -> dict[str, int]:
+        """Host and NVMe bytes of offloaded parameters, named as ``MemoryReport``'s fields."""
 
     def param_bytes(self) -> int:
         """Bytes of trainable parameters held at rest (stage 3: shards and persistent ones)."""
@@ -139,6 +148,13 @@ class ReplicatedParams:
     def attach_landing(self, landing: Landing) -> None:
         self.gather.landing = landing
 
+    @property
+    def home(self) -> None:
+        return None
+
+    def home_bytes(self) -> dict[str, int]:
+        return {}
+
     def param_bytes(self) -> int:
         return sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in self.segments)
 
@@ -192,7 +208,8 @@ class ShardedParamSync:
 
     def publish(self, masters: Masters, *, written: bool = False) -> None:
         self.sharded.reset()  # gathered copies are stale now: release them
-        _publish(self.gather, masters, self.plan, written)
+        with resident(self.sharded.home, write=not written):
+            _publish(self.gather, masters, self.plan, written)
 
     def update_order(self) -> list[tuple[int, int]]:
         # The persistent segments first: their gather is waited for inside the step. Then the
@@ -203,7 +220,22 @@ class ShardedParamSync:
 
     def attach_landing(self, landing: Landing) -> None:
         self.gather.landing = landing
-        self.sharded.gatherer.landing = landing
+        sharded = self.sharded
+        sharded.gatherer.landing = landing
+        units = [s for u in sharded.units for s in u.segments]
+        sharded.home = make_home(self.plan, landing, units, sharded.comm.rank)
+        sharded.gatherer.home = sharded.home
+
+    @property
+    def home(self) -> ShardHome | None:
+        return self.sharded.home
+
+    def home_bytes(self) -> dict[str, int]:
+        home = self.sharded.home
+        if home is None:
+            return {}
+        ring = "host_parameters" if home.tier == "cpu" else "host_buffers"  # NVMe: its reads
+        return {ring: home.host_nbytes, "nvme": home.nvme_nbytes}
 
     def param_bytes(self) -> int:
         return self.sharded.param_bytes()
@@ -224,6 +256,8 @@ class ShardedParamSync:
         if self._state_dict is not None:
             for h in self._state_dict.handles:
                 h.remove()
+        if self.sharded.home is not None:
+            self.sharded.home.close()
 
 
 def _publish(gather: DeferredGather, masters: Masters, plan: Plan, written: bool) -> None:

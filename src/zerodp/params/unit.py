@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from zerodp.comm import Communicator, Handle
@@ -12,6 +14,9 @@ from zerodp.offload.landing import Landing
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.policy import UnitSpec
 from zerodp.params.segment import ShardedSegment
+
+if TYPE_CHECKING:
+    from zerodp.offload.home import ShardHome
 
 
 class UnitState(enum.Enum):
@@ -117,10 +122,21 @@ class Gatherer:
         # Offloaded step: a shard is gathered only once its update landed ([Note: offloaded
         # step] in offload/runner.py).
         self.landing: Landing | None = None
+        # Offloaded parameters: the shards rest off the device ([Note: offloaded parameters]).
+        self.home: ShardHome | None = None
 
     def _landed(self, seg: ShardedSegment) -> None:
         if self.landing is not None:
             self.landing.wait_segment(seg.index)
+
+    def _source(self, seg: ShardedSegment, full: torch.Tensor) -> torch.Tensor:
+        """The all-gather's input: the shard, or with offloaded parameters its copy staged into
+        its own slice of ``full`` (the all-gather's output)."""
+        if self.home is None:
+            return seg.shard
+        owned = full.narrow(0, seg.owned.start, seg.owned.numel)
+        self.home.stage(seg, owned)
+        return owned
 
     @staticmethod
     def start_plan(unit: Unit) -> list[tuple[Op, int]]:
@@ -139,7 +155,8 @@ class Gatherer:
         for seg in unit.segments:
             self._landed(seg)
             seg.alloc(private)
-            unit.handles.append(self.comm.all_gather(seg.param_buffer, seg.shard, async_op=True))
+            source = self._source(seg, seg.param_buffer)
+            unit.handles.append(self.comm.all_gather(seg.param_buffer, source, async_op=True))
         unit.state = UnitState.GATHERING
         self.gathered_bytes += unit.full_nbytes
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
@@ -152,10 +169,11 @@ class Gatherer:
         ([Note: merged plans] in order.py): into a scratch buffer, freed once it completes."""
         for seg in unit.segments:
             self._landed(seg)
-            scratch = seg.shard.new_empty(seg.layout.padded_numel)
+            scratch = seg.param_buffer.new_empty(seg.layout.padded_numel)
             self.gathered_bytes += seg.full_nbytes
             self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
-            self.comm.all_gather(scratch, seg.shard, async_op=True).wait()
+            source = self._source(seg, scratch)
+            self.comm.all_gather(scratch, source, async_op=True).wait()
             self.gathered_bytes -= seg.full_nbytes
             del scratch
         self.trace("gather_extra", unit)

@@ -207,8 +207,7 @@ def _check_offload_compares(options: TrainOptions) -> None:
         tier = getattr(offload, field)
         if tier == "none":
             continue
-        path = offload.path if tier == "nvme" else None
-        alone = OffloadConfig(**{field: tier}, path=path)
+        alone = _alone(offload, field)
         takes = [s for s in STAGES if _stage_takes(s, alone)]
         refused = [s for s in options.stages if s not in takes]
         if refused:
@@ -217,6 +216,19 @@ def _check_offload_compares(options: TrainOptions) -> None:
                 f"trains stage{'s' if len(refused) > 1 else ''} {_join(refused, 'and')}: "
                 f"drop {flag} or --compare-stages"
             )
+
+
+def _alone(offload: OffloadConfig, field: str) -> OffloadConfig:
+    """``offload`` with only ``field`` offloaded, as far as the tier rule allows (parameter
+    offload needs the optimizer's: the optimizer's own tier, else "cpu"), to ask which stages
+    take that field."""
+    if field == "optimizer":
+        optimizer, params = offload.optimizer, "none"
+    else:
+        optimizer = offload.optimizer if offload.optimizer_offloaded else "cpu"
+        params = offload.params
+    path = offload.path if "nvme" in (optimizer, params) else None
+    return OffloadConfig(optimizer=optimizer, params=params, path=path)
 
 
 def _stage_takes(stage: int, offload: OffloadConfig) -> bool:

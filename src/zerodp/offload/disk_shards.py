@@ -1,0 +1,206 @@
+"""``DiskShards``: stage 3's parameter shards in a file (``offload.params="nvme"``).
+
+[Note: parameters on NVMe]
+One file per rank (``rank<r>-params``, a ``SwapFile``: [Note: swap files]) holds every unit
+shard at its own 4 KiB-aligned extent, in the compute dtype; between gathers each
+``ShardedSegment.shard`` is an empty tensor and no host memory holds parameters. ``slots`` aligned
+host buffers (``offload.ring_buckets``, each the largest shard) carry the reads:
+
+- ``stage`` (a gather, on the caller's thread) takes the shard's slot if it was read ahead, else
+  reads it now, copies it to the device and frees the slot once that copy is done;
+- then it reads ahead, on the ``params-read`` worker, the next shards of the order recorded in
+  the previous step (``PassOrder``: the same predictor as the unit prefetch, over the whole
+  step's sequence of gathers, forward and backward), into the free slots. A read that follows
+  an update waits, on the worker, for that update's write ([Note: offloaded step]); a wrong guess
+  costs one read, never a stale value;
+- ``invalidate`` (a step starts) drops what was read ahead, which the step is about to change.
+
+The step's ``land`` casts a bucket's updated masters into an aligned outgoing ring slot and
+writes it on the ``params-write`` worker; the gather of that unit waits for the write (through
+``Landing``), and a read of it is queued after it. ``resident`` reads every shard into a host
+tensor for code that uses them as tensors (checkpoint loads, write-back) and writes them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+
+from zerodp.offload.landing import Landing
+from zerodp.offload.swapfile import SwapFile, aligned, aligned_empty
+from zerodp.params.prefetch import PassOrder
+from zerodp.params.segment import ShardedSegment
+from zerodp.streams import Event, StreamError
+
+
+class DiskShards:
+    tier = "nvme"
+    aligned = True
+
+    def __init__(
+        self,
+        landing: Landing,
+        directory: str,
+        rank: int,
+        segments: list[ShardedSegment],
+        slots: int,
+    ) -> None:
+        self.landing = landing
+        self.streams = landing.streams
+        self.segments = {seg.index: seg for seg in segments}
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for seg in segments:
+            self.offsets[seg.index] = offset
+            offset += aligned(seg.shard_numel_bytes)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.file = SwapFile(directory, f"rank{rank}-params", offset)
+        slot_bytes = max(aligned(seg.shard_numel_bytes) for seg in segments)
+        self.ring = [aligned_empty(self.streams, slot_bytes) for _ in range(slots)]
+        self.busy: list[Event | None] = [None] * slots  # the last copy out of each slot
+        self.cache: dict[int, tuple[int, Event]] = {}  # segment -> (slot, its read)
+        self.free = list(range(slots))
+        self.order = PassOrder(slots - 1)
+        self._pass_limit = 4 * len(segments) + 8  # inference never ends a pass with a step
+        self.reader = self.streams.host("params-read")
+        self.writer = self.streams.host("params-write")
+        self._resident = False
+        self.hits = self.misses = 0  # gathers whose shard was read ahead, and the others
+        for seg in segments:
+            self._write_tensor(seg.index, seg.shard)
+            seg.shard = _empty_like(seg)
+
+    # -- gathers -----------------------------------------------------------------------------
+
+    def holds(self, seg: int) -> bool:
+        return seg in self.segments
+
+    def stage(self, seg: ShardedSegment, dst: torch.Tensor) -> None:
+        if self._resident:
+            dst.copy_(seg.shard)
+            return
+        entry = self.cache.pop(seg.index, None)
+        self.hits += entry is not None
+        self.misses += entry is None
+        slot, read = entry or self._read(seg.index)
+        read.wait()
+        src = self._view(slot, seg)
+        copy = partial(dst.copy_, src, non_blocking=True)
+        self.busy[slot] = self.streams.compute.submit(copy, uses=[src])
+        self.free.append(slot)
+        self._read_ahead(seg.index)
+
+    def _read_ahead(self, index: int) -> None:
+        upcoming = self.order.visit(index)
+        if len(self.order.current) > self._pass_limit:
+            self.order.end()
+        for i in upcoming:
+            if i in self.cache or not self.free:
+                continue
+            self.cache[i] = self._read(i)
+
+    def _read(self, index: int) -> tuple[int, Event]:
+        """Queue the read of segment ``index`` into a free slot (or the oldest read ahead)."""
+        if not self.free:
+            oldest = next(iter(self.cache))
+            slot, read = self.cache.pop(oldest)
+            read.wait()
+            self.free.append(slot)
+        slot = self.free.pop(0)
+        stepped = self.landing.pending_events(index)
+        work = partial(self._read_into, index, slot, stepped, self.busy[slot])
+        return slot, self.reader.submit(work)
+
+    def _read_into(self, index: int, slot: int, stepped: list[Event], busy: Event | None) -> None:
+        for event in stepped:  # the update of the shard, then its write
+            written = event.result()
+            if written is not None:
+                written.wait()
+        if busy is not None:  # the last copy out of the slot
+            busy.wait()
+        extent = aligned(self.segments[index].shard_numel_bytes)
+        self.file.read(self.offsets[index], self.ring[slot].narrow(0, 0, extent))
+
+    def _view(self, slot: int, seg: ShardedSegment) -> torch.Tensor:
+        return self.ring[slot].view(seg.dtype).narrow(0, 0, seg.layout.shard_numel)
+
+    def invalidate(self) -> None:
+        for slot, read in self.cache.values():
+            read.wait()
+            self.free.append(slot)
+        self.cache.clear()
+        self.order.end()
+
+    # -- the step (on the optimizer's worker) -----------------------------------------------------
+
+    def land(self, seg: int, bucket: int, masters: torch.Tensor, slot: torch.Tensor) -> Event:
+        shard = self.segments[seg]
+        numel = shard.layout.shard_numel
+        slot.view(shard.dtype).narrow(0, 0, numel).copy_(masters)  # the cast to the params'
+        extent = slot.narrow(0, 0, aligned(shard.shard_numel_bytes))
+        return self.writer.submit(partial(self.file.write, self.offsets[seg], extent))
+
+    # -- outside the step ---------------------------------------------------------------------
+
+    def _write_tensor(self, index: int, shard: torch.Tensor) -> None:
+        """Synchronously, through slot 0 (nothing else uses the ring then)."""
+        seg = self.segments[index]
+        self._quiet_slot(0)
+        self._view(0, seg).copy_(shard)
+        self.file.write(
+            self.offsets[index], self.ring[0].narrow(0, 0, aligned(seg.shard_numel_bytes))
+        )
+
+    def _quiet_slot(self, slot: int) -> None:
+        busy = self.busy[slot]
+        if busy is not None:
+            busy.wait()
+            self.busy[slot] = None
+
+    @contextmanager
+    def resident(self, *, write: bool) -> Iterator[None]:
+        if self._resident:
+            yield
+            return
+        self.invalidate()
+        self.writer.synchronize()  # the last step's writes (raises what failed)
+        self._quiet_slot(0)
+        for index, seg in self.segments.items():
+            extent = self.ring[0].narrow(0, 0, aligned(seg.shard_numel_bytes))
+            self.file.read(self.offsets[index], extent)
+            seg.shard = self._view(0, seg).clone()
+        self._resident = True
+        try:
+            yield
+        finally:
+            self._resident = False
+            for index, seg in self.segments.items():
+                if write:
+                    self._write_tensor(index, seg.shard)
+                seg.shard = _empty_like(seg)
+
+    # -- accounting and teardown --------------------------------------------------------------
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(b.numel() for b in self.ring)
+
+    @property
+    def nvme_nbytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        for worker in (self.reader, self.writer):
+            # A failure was raised where it happened (``Landing``); the file goes regardless.
+            with contextlib.suppress(StreamError):
+                worker.synchronize()
+        self.file.close()
+
+
+def _empty_like(seg: ShardedSegment) -> torch.Tensor:
+    return torch.empty(0, dtype=seg.dtype, device="cpu")
