@@ -23,7 +23,6 @@ builders into ``views.py`` behind a narrow protocol is the next split.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -34,10 +33,9 @@ from zerodp.config import ZeroConfig
 from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
+from zerodp.offload.build import offload_pieces, offload_step
 from zerodp.offload.landing import Landing
 from zerodp.offload.refuse import refuse_adoption
-from zerodp.offload.runner import OffloadStep
-from zerodp.offload.swap import SwapStore
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
 from zerodp.optim.agreement import KeptGrads, StepFlags, agree_on_step
@@ -185,16 +183,21 @@ class ZeroEngine:
         if all(all(r) for r in replaced):
             self._staleness.cleared()
 
-    def _build_pieces(self) -> list[OptimPiece]:
-        per_seg = [s.layout.owned_pieces(self.masters.owner) for s in self.segments]
+    def _build_pieces(self, *, cut: bool = True) -> list[OptimPiece]:
+        """The optimizer's pieces; offloaded, ``cut`` at the chunk boundaries."""
+        owner = self.masters.owner
+        per_seg = [s.layout.owned_pieces(owner) for s in self.segments]
+        if cut and self.landing is not None and owner is not None:
+            per_seg = offload_pieces(self.plan, self.segments, per_seg, owner)
         master = [self.masters.storage(i) for i in range(len(self.segments))]
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, self._groups, master, grads)
 
     def _runner(self, optimizer: torch.optim.Optimizer) -> StepRunner:
+        offloaded = self.landing is not None
         runner = make_runner(
             self.segments,
-            self.pieces,
+            self._build_pieces(cut=False) if offloaded else self.pieces,
             mixed=self.plan.mixed,
             sharded=self.plan.shard_optimizer,
             rank=self.comm.rank,
@@ -202,22 +205,8 @@ class ZeroEngine:
         if self.landing is None:
             return runner
         order = self.param_sync.update_order()
-        args = (self.segments, self.pieces, self.masters, runner, self.landing)
-        plan = self.plan
-        swap = None
-        if plan.offload_optimizer == "nvme":
-            assert plan.offload_path is not None
-            swap = partial(
-                SwapStore,
-                self.landing.streams,
-                plan.offload_path,
-                self.comm.rank,
-                pieces=self.pieces,
-                optimizer=optimizer,
-                masters=self.masters,
-                slots=plan.offload_ring,
-            )
-        return OffloadStep(*args, order, plan.offload_ring, swap, self.param_sync.home)
+        args = (self.plan, self.segments, self.pieces, self.masters, runner, self.landing, order)
+        return offload_step(*args, optimizer, self.param_sync.home)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""

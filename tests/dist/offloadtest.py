@@ -102,10 +102,26 @@ def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore
 
 
 def state_values(opt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Every optimizer state value, in the order of the pieces (``state_dict``'s keys; its
-    entries are in the order the steps created them, which offload changes)."""
-    state = opt.state_dict()["state"]
-    return [v for k in sorted(state) for v in state[k].values()]
+    """Every optimizer state value per parameter (by name, then state key): the pieces' values
+    joined in element order. Offloaded runs cut parameters into more pieces ([Note: offload
+    chunks]); element-wise, the values must be the same. A per-piece scalar (Adam's ``step``)
+    is listed once, or every copy if they differ."""
+    sd = opt.state_dict()
+    merged: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    for k, (name, start, _) in enumerate(sd["zerodp"]["pieces"]):
+        for key, value in sd["state"].get(k, {}).items():
+            merged.setdefault(name, {}).setdefault(key, []).append((start, value))
+    out = []
+    for name in sorted(merged):
+        for key in sorted(merged[name]):
+            parts = [v for _, v in sorted(merged[name][key], key=lambda part: part[0])]
+            if parts[0].dim() > 0:
+                out.append(torch.cat(parts))
+            elif all(torch.equal(parts[0], v) for v in parts):
+                out.append(parts[0])
+            else:
+                out += parts
+    return out
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

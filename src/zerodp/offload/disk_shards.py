@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from zerodp.offload.chunks import HostChunk
 from zerodp.offload.landing import Landing
 from zerodp.offload.swapfile import SwapFile, aligned, aligned_empty
 from zerodp.params.prefetch import PassOrder
@@ -138,12 +139,16 @@ class DiskShards:
 
     # -- the step (on the optimizer's worker) -----------------------------------------------------
 
-    def land(self, seg: int, bucket: int, masters: torch.Tensor, slot: torch.Tensor) -> Event:
-        shard = self.segments[seg]
-        numel = shard.layout.shard_numel
-        slot.view(shard.dtype).narrow(0, 0, numel).copy_(masters)  # the cast to the params'
-        extent = slot.narrow(0, 0, aligned(shard.shard_numel_bytes))
-        return self.writer.submit(partial(self.file.write, self.offsets[seg], extent))
+    def land(self, chunk: HostChunk, masters: torch.Tensor, slot: torch.Tensor) -> Event:
+        """Into the chunk's place in the shard's extent: chunks start at multiples of a whole
+        number of ALIGN blocks ([Note: offload chunks]), so the write is aligned; the last one
+        ends at most at the extent's end."""
+        shard = self.segments[chunk.seg]
+        slot.view(shard.dtype).narrow(0, 0, chunk.numel).copy_(masters)  # the cast
+        start = shard.layout.buckets[chunk.bucket].shard_offset + chunk.start
+        offset = self.offsets[chunk.seg] + start * shard.dtype.itemsize
+        extent = slot.narrow(0, 0, aligned(chunk.numel * shard.dtype.itemsize))
+        return self.writer.submit(partial(self.file.write, offset, extent))
 
     # -- outside the step ---------------------------------------------------------------------
 

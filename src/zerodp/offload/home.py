@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from zerodp.offload.chunks import HostChunk
 from zerodp.offload.disk_shards import DiskShards
 from zerodp.offload.landing import Landing
 from zerodp.params.segment import ShardedSegment
@@ -47,10 +48,8 @@ class ShardHome(Protocol):
         """Copy the shard into ``dst`` (on the device), ordered before later work on the
         compute stream (the all-gather that reads it)."""
 
-    def land(
-        self, seg: int, bucket: int, masters: torch.Tensor, slot: torch.Tensor
-    ) -> Event | None:
-        """On the optimizer's worker: the bucket's updated masters become the shard's (cast);
+    def land(self, chunk: HostChunk, masters: torch.Tensor, slot: torch.Tensor) -> Event | None:
+        """On the optimizer's worker: the chunk's updated masters become the shard's (cast);
         ``slot`` is a free host ring buffer (bytes) it may use. The event a gather must wait
         for, or None when the shard is updated on return."""
 
@@ -89,9 +88,9 @@ class HostShards:
     def stage(self, seg: ShardedSegment, dst: torch.Tensor) -> None:
         self.streams.compute.submit(partial(dst.copy_, seg.shard, non_blocking=True))
 
-    def land(self, seg: int, bucket: int, masters: torch.Tensor, slot: torch.Tensor) -> None:
-        shard = self.segments[seg]
-        shard.param_storage(shard.rank).region(bucket).copy_(masters)
+    def land(self, chunk: HostChunk, masters: torch.Tensor, slot: torch.Tensor) -> None:
+        shard = self.segments[chunk.seg]
+        chunk.of(shard.param_storage(shard.rank)).copy_(masters)
         return None
 
     def invalidate(self) -> None:

@@ -19,23 +19,23 @@ from zerodp.streams import Event, Streams
 class Landing:
     def __init__(self, streams: Streams) -> None:
         self.streams = streams
-        self._pending: dict[tuple[int, int], Event] = {}  # (segment, bucket) -> host work
+        # (segment, bucket) -> the host work of each of its chunks ([Note: offload chunks])
+        self._pending: dict[tuple[int, int], list[Event]] = {}
 
     def expect(self, seg: int, bucket: int, stepped: Event) -> None:
-        """``stepped``: the host work updating this bucket; its result is the copy's event."""
-        self._pending[(seg, bucket)] = stepped
+        """``stepped``: the host work updating a chunk of this bucket; its result is the copy's
+        event (see the module docstring)."""
+        self._pending.setdefault((seg, bucket), []).append(stepped)
 
     def wait(self, seg: int, bucket: int) -> None:
         """Work on the compute stream from now on sees the bucket's updated parameters."""
-        stepped = self._pending.get((seg, bucket))
-        if stepped is None:
-            return
-        # Raises if the host work failed, and again at every later wait: the bucket was not
-        # updated, and nothing may read it as if it had been.
-        copied = stepped.result()
-        if copied is not None:
-            self.streams.compute.wait(copied)
-        del self._pending[(seg, bucket)]
+        for stepped in self._pending.get((seg, bucket), []):
+            # Raises if the host work failed, and again at every later wait: the bucket was not
+            # updated, and nothing may read it as if it had been.
+            copied = stepped.result()
+            if copied is not None:
+                self.streams.compute.wait(copied)
+        self._pending.pop((seg, bucket), None)
 
     def wait_segment(self, seg: int) -> None:
         for s, b in [key for key in self._pending if key[0] == seg]:
@@ -44,7 +44,7 @@ class Landing:
     def pending_events(self, seg: int) -> list[Event]:
         """The host work of the segment's updates not waited for yet (a worker that reads what
         they write waits for them itself: ``event.result()``, then that event if not None)."""
-        return [e for (s, _), e in self._pending.items() if s == seg]
+        return [e for (s, _), events in self._pending.items() if s == seg for e in events]
 
     def wait_all(self) -> None:
         for s, b in list(self._pending):

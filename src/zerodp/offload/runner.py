@@ -7,8 +7,9 @@ pieces of them), so the device holds only the parameters and gradients. The grad
 reductions, the non-finite check and gradient clipping stay on the device, unchanged: the
 check and the global norm are computed from the reduced shards *before* any update (they are
 cheap there, and a step that is skipped or clipped must be known before the first bucket is
-stepped). Then ``step`` sends every bucket (its owned region, a *chunk*) through a pipeline of
-four queues, in the order the next forward needs the buckets (``ParamSync.update_order``):
+stepped). Then ``step`` sends every bucket's owned region, cut into *chunks* of at most a bucket
+([Note: offload chunks] in chunks.py), through a pipeline of four queues, in the order the next
+forward needs the buckets (``ParamSync.update_order``):
 
 1. ``d2h`` (a device stream): copy the chunk's reduced gradient into a host ring slot;
 2. ``unpack`` (a host worker): upcast it into this chunk's part of the host fp32 gradient,
@@ -38,32 +39,22 @@ within the fp32 tolerance otherwise. Host memory: 12 B/param of masters and Adam
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from zerodp.comm import Communicator
+from zerodp.offload.chunks import HostChunk, host_chunks
 from zerodp.offload.home import ShardHome
 from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
 from zerodp.offload.swap import SwapStore
-from zerodp.optim.chunked import pieces_by_chunk
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.optim.runner import StepRunner
 from zerodp.partition.segment import Segment
 from zerodp.streams import Event
-
-
-@dataclass(frozen=True, slots=True)
-class HostChunk:
-    seg: int
-    bucket: int
-    numel: int  # the owned region of the bucket
-    offset: int  # where it starts in the host gradient
-    pieces: tuple[tuple[int, int, int], ...]  # (index in pieces, offset in chunk, numel)
 
 
 class OffloadStep:
@@ -81,6 +72,7 @@ class OffloadStep:
         landing: Landing,
         order: list[tuple[int, int]],
         slots: int,
+        chunk: int,
         swap: Callable[[list[HostChunk]], SwapStore] | None = None,
         home: ShardHome | None = None,
     ) -> None:
@@ -90,17 +82,8 @@ class OffloadStep:
         self.device = device
         self.streams = landing.streams
         self.landing = landing
-        owner = masters.owner
-        by_bucket = pieces_by_chunk(segments, pieces, owner)
-        self.chunks: list[HostChunk] = []
-        offset = 0
-        for s, b in order:
-            pcs = by_bucket.get((s, b))
-            if not pcs:  # nothing the optimizer steps: never updated, never copied
-                continue
-            numel = segments[s].layout.buckets[b].region(owner).numel
-            self.chunks.append(HostChunk(s, b, numel, offset, tuple(pcs)))
-            offset += numel
+        self.chunks = host_chunks(segments, pieces, masters.rank, order, chunk)
+        offset = sum(c.numel for c in self.chunks)
         largest = max((c.numel for c in self.chunks), default=0)
         # On NVMe ([Note: optimizer state on NVMe]) the host fp32 gradient is a ring too.
         self.swap = swap(self.chunks) if swap is not None else None
@@ -252,7 +235,7 @@ class _StepRun:
 
     def _fetch(self, k: int) -> Event:
         c = self.work[k]
-        src = self.grads.grad_storage(c.seg).region(c.bucket)
+        src = c.of(self.grads.grad_storage(c.seg))
         slot = self.r.incoming.view(k, c.numel, src.dtype)
         return self.d2h.submit(partial(slot.copy_, src, non_blocking=True), uses=[src])
 
@@ -297,7 +280,7 @@ class _StepRun:
         if swap is not None:
             masters = swap.masters_of(self.index[k], k)
         else:
-            masters = self.r.masters.storage(c.seg).region(c.bucket)
+            masters = c.of(self.r.masters.storage(c.seg))
         copied = self._land(k, c, masters)
         self.copied[k] = copied
         if swap is not None:
@@ -313,8 +296,8 @@ class _StepRun:
         or into the shard's home (offloaded parameters). The event of that copy or write."""
         home = self.r.home
         if home is not None and home.holds(c.seg):  # persistent segments stay on the device
-            return home.land(c.seg, c.bucket, masters, self.r.outgoing.raw(k))
-        dst = self.r.segments[c.seg].param_storage(self.r.masters.owner).region(c.bucket)
+            return home.land(c, masters, self.r.outgoing.raw(k))
+        dst = c.of(self.r.segments[c.seg].param_storage(self.r.masters.owner))
         slot = self.r.outgoing.view(k, c.numel, dst.dtype)
         slot.copy_(masters)  # the cast to the params'
         return self.h2d.submit(partial(dst.copy_, slot, non_blocking=True), uses=[dst])

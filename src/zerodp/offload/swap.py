@@ -37,6 +37,7 @@ import torch
 from zerodp.offload.swapfile import SwapFile, aligned, aligned_empty
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import OptimPiece
+from zerodp.partition.buffers import OwnedStorage
 from zerodp.streams import Event, Streams
 
 MASTERS = "masters"
@@ -44,9 +45,10 @@ MASTERS = "masters"
 
 class Chunk(Protocol):
     seg: int
-    bucket: int
     numel: int
     pieces: tuple[tuple[int, int, int], ...]  # (index in pieces, offset in chunk, numel)
+
+    def of(self, storage: OwnedStorage) -> torch.Tensor: ...
 
 
 class SwapStore:
@@ -83,7 +85,7 @@ class SwapStore:
         self.writes: list[Event] = []  # of the last step, waited by ``wait``
         self._group(MASTERS)
         for k, c in enumerate(chunks):  # the initial masters, then none in host memory
-            self.masters_of(k, 0).copy_(masters.storage(c.seg).region(c.bucket))
+            self.masters_of(k, 0).copy_(c.of(masters.storage(c.seg)))
             self._write_group(MASTERS, k, 0)
         for c in chunks:
             for i, _, _ in c.pieces:
@@ -199,7 +201,7 @@ class SwapStore:
     def _restore(self, k: int, c: Chunk) -> None:
         self.read(k, 0)
         master = self.masters.storage(c.seg)
-        master.region(c.bucket).copy_(self.masters_of(k, 0))
+        c.of(master).copy_(self.masters_of(k, 0))
         for i, off, n in c.pieces:
             op = self.pieces[i]
             _point(op.tensor, master.piece(op.piece))
@@ -210,7 +212,7 @@ class SwapStore:
 
     def _store(self, k: int) -> None:
         c = self.chunks[k]
-        self.masters_of(k, 0).copy_(self.masters.storage(c.seg).region(c.bucket))
+        self.masters_of(k, 0).copy_(c.of(self.masters.storage(c.seg)))
         self.write(k, 0)
 
     # -- accounting and teardown --------------------------------------------------------------
