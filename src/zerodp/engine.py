@@ -116,6 +116,7 @@ class ZeroEngine:
             sharded=plan.shard_optimizer,
             rank=self.comm.rank,
             host=offload,
+            stored=plan.offload_optimizer == "nvme",
         )
         # The offloaded step's streams and landings ([Note: offloaded step] in offload/).
         device = self.segments[0].device if self.segments else torch.device("cpu")
@@ -455,6 +456,13 @@ class ZeroEngine:
             params_offload=self.plan.offload_params,
             params_home=self.param_sync.home_bytes(),
         )
+
+    def nvme_io(self) -> tuple[int, int]:
+        """Bytes read from and written to the NVMe tier's files since initialize."""
+        self.wait_optimizer()
+        parts = [self.masters.store, self.param_sync.home]
+        moved = [part.io_bytes() for part in parts if part is not None]
+        return sum(r for r, _ in moved), sum(w for _, w in moved)
 
     @property
     def num_trainable(self) -> int:

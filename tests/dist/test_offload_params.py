@@ -26,6 +26,7 @@ from offloadtest import (
 )
 
 import zerodp
+from zerodp.offload.chunks import chunk_numel
 from zerodp.offload.swapfile import ALIGN, SwapFile, aligned
 
 # (optimizer tier, parameter tier, stage 3's persist_numel): 64 keeps the tiny GPT's LayerNorm
@@ -87,6 +88,8 @@ def case_bytes(root: str, params: str) -> dict:
         "devices": {s.shard.device.type for s in unit_segs},
         "persistent": sharded.persistent_bytes(),
         "listed": os.listdir(root) if os.path.isdir(root) else [],
+        "largest_chunk": max(c.numel for c in opt.engine.runner.chunks),
+        "chunk": chunk_numel(opt.engine.plan.bucket_bytes),
     }
     if params == "nvme":
         out["mode"] = home.file.mode
@@ -116,8 +119,8 @@ def test_host_parameters_are_the_shards(world, tmp_path):
 def test_nvme_parameters_are_one_private_file(world, tmp_path):
     """ "nvme": one file per rank, 0600, unlinked at creation, each shard at a 4 KiB-aligned
     extent; no shard in memory between gathers; host memory adds the read ring (3 aligned
-    slots of the largest shard) and the outgoing ring becomes aligned. The second step's gathers
-    were read ahead."""
+    slots of a chunk) and the outgoing ring becomes aligned. Gathers in the second step found
+    parts read ahead."""
     for r in world(2).run(case_bytes, str(tmp_path), "nvme", timeout=TIMEOUT):
         rep = r["report"]
         extent = sum(aligned(n) for n in r["shard_bytes"])
@@ -125,8 +128,12 @@ def test_nvme_parameters_are_one_private_file(world, tmp_path):
         assert r["size"] == extent == rep["nvme"] and extent % ALIGN == 0
         assert set(r["held"]) == {0} and rep["host_parameters"] == 0
         assert rep["parameters"] == r["persistent"] > 0
-        read_ring = 3 * aligned(max(r["shard_bytes"]))
-        assert rep["host_buffers"] >= read_ring  # plus the optimizer step's transfer rings
+        # Read in parts of a chunk of fp32 ([Note: offload chunks]): the units are larger.
+        slot = 4 * r["chunk"]
+        assert slot < aligned(max(r["shard_bytes"]))
+        largest = r["largest_chunk"]
+        transfer = 3 * 4 * largest + 3 * aligned(4 * largest)  # in, and out (aligned: O_DIRECT)
+        assert rep["host_buffers"] == transfer + 3 * slot
         hits, misses = r["hits"]
         assert hits > 0, (hits, misses)
 

@@ -38,6 +38,8 @@ from zerodp.params.prefetch import PassOrder
 from zerodp.params.segment import ShardedSegment
 from zerodp.streams import Event, StreamError
 
+Part = tuple[int, int]  # (segment, part): ``slot_bytes`` of its extent
+
 
 class DiskShards:
     tier = "nvme"
@@ -50,6 +52,7 @@ class DiskShards:
         rank: int,
         segments: list[ShardedSegment],
         slots: int,
+        slot_bytes: int,
     ) -> None:
         self.landing = landing
         self.streams = landing.streams
@@ -61,20 +64,24 @@ class DiskShards:
             offset += aligned(seg.shard_numel_bytes)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.file = SwapFile(directory, f"rank{rank}-params", offset)
-        slot_bytes = max(aligned(seg.shard_numel_bytes) for seg in segments)
-        self.ring = [aligned_empty(self.streams, slot_bytes) for _ in range(slots)]
+        largest = max(aligned(seg.shard_numel_bytes) for seg in segments)
+        self.slot_bytes = min(aligned(slot_bytes), largest)  # a unit larger is read in parts
+        self.ring = [aligned_empty(self.streams, self.slot_bytes) for _ in range(slots)]
         self.busy: list[Event | None] = [None] * slots  # the last copy out of each slot
-        self.cache: dict[int, tuple[int, Event]] = {}  # segment -> (slot, its read)
+        self.cache: dict[Part, tuple[int, Event]] = {}  # read ahead: (slot, its read)
         self.free = list(range(slots))
-        self.order = PassOrder(slots - 1)
+        self.order = PassOrder(slots)
         self._pass_limit = 4 * len(segments) + 8  # inference never ends a pass with a step
         self.reader = self.streams.host("params-read")
         self.writer = self.streams.host("params-write")
         self._resident = False
-        self.hits = self.misses = 0  # gathers whose shard was read ahead, and the others
+        self.hits = self.misses = 0  # parts gathered from a read ahead, and the others
         for seg in segments:
             self._write_tensor(seg.index, seg.shard)
             seg.shard = _empty_like(seg)
+
+    def _parts(self, index: int) -> range:
+        return range(-(-aligned(self.segments[index].shard_numel_bytes) // self.slot_bytes))
 
     # -- gathers -----------------------------------------------------------------------------
 
@@ -85,50 +92,56 @@ class DiskShards:
         if self._resident:
             dst.copy_(seg.shard)
             return
-        entry = self.cache.pop(seg.index, None)
-        self.hits += entry is not None
-        self.misses += entry is None
-        slot, read = entry or self._read(seg.index)
-        read.wait()
-        src = self._view(slot, seg)
-        copy = partial(dst.copy_, src, non_blocking=True)
-        self.busy[slot] = self.streams.compute.submit(copy, uses=[src])
-        self.free.append(slot)
-        self._read_ahead(seg.index)
-
-    def _read_ahead(self, index: int) -> None:
-        upcoming = self.order.visit(index)
+        upcoming = self.order.visit(seg.index)
         if len(self.order.current) > self._pass_limit:
             self.order.end()
-        for i in upcoming:
-            if i in self.cache or not self.free:
-                continue
-            self.cache[i] = self._read(i)
+        per_part = self.slot_bytes // seg.dtype.itemsize
+        for part in self._parts(seg.index):
+            entry = self.cache.pop((seg.index, part), None)
+            self.hits += entry is not None
+            self.misses += entry is None
+            slot, read = entry or self._read((seg.index, part))
+            later = [(seg.index, p) for p in self._parts(seg.index) if p > part]
+            self._read_ahead(later + [(i, p) for i in upcoming for p in self._parts(i)])
+            read.wait()
+            start = part * per_part
+            numel = min(per_part, seg.layout.shard_numel - start)
+            src = self.ring[slot].view(seg.dtype).narrow(0, 0, numel)
+            copy = partial(dst.narrow(0, start, numel).copy_, src, non_blocking=True)
+            self.busy[slot] = self.streams.compute.submit(copy, uses=[src])
+            self.free.append(slot)
 
-    def _read(self, index: int) -> tuple[int, Event]:
-        """Queue the read of segment ``index`` into a free slot (or the oldest read ahead)."""
+    def _read_ahead(self, wanted: list[Part]) -> None:
+        """Into the free slots, in order."""
+        for key in wanted:
+            if not self.free:
+                return
+            if key not in self.cache:
+                self.cache[key] = self._read(key)
+
+    def _read(self, key: Part) -> tuple[int, Event]:
+        """Queue the read of a part into a free slot (or the oldest read ahead's)."""
         if not self.free:
             oldest = next(iter(self.cache))
             slot, read = self.cache.pop(oldest)
             read.wait()
             self.free.append(slot)
         slot = self.free.pop(0)
-        stepped = self.landing.pending_events(index)
-        work = partial(self._read_into, index, slot, stepped, self.busy[slot])
+        stepped = self.landing.pending_events(key[0])
+        work = partial(self._read_into, key, slot, stepped, self.busy[slot])
         return slot, self.reader.submit(work)
 
-    def _read_into(self, index: int, slot: int, stepped: list[Event], busy: Event | None) -> None:
+    def _read_into(self, key: Part, slot: int, stepped: list[Event], busy: Event | None) -> None:
         for event in stepped:  # the update of the shard, then its write
             written = event.result()
             if written is not None:
                 written.wait()
         if busy is not None:  # the last copy out of the slot
             busy.wait()
-        extent = aligned(self.segments[index].shard_numel_bytes)
-        self.file.read(self.offsets[index], self.ring[slot].narrow(0, 0, extent))
-
-    def _view(self, slot: int, seg: ShardedSegment) -> torch.Tensor:
-        return self.ring[slot].view(seg.dtype).narrow(0, 0, seg.layout.shard_numel)
+        index, part = key
+        start = part * self.slot_bytes
+        size = min(self.slot_bytes, aligned(self.segments[index].shard_numel_bytes) - start)
+        self.file.read(self.offsets[index] + start, self.ring[slot].narrow(0, 0, size))
 
     def invalidate(self) -> None:
         for slot, read in self.cache.values():
@@ -154,12 +167,26 @@ class DiskShards:
 
     def _write_tensor(self, index: int, shard: torch.Tensor) -> None:
         """Synchronously, through slot 0 (nothing else uses the ring then)."""
+        self._through_slot0(index, shard, write=True)
+
+    def _through_slot0(self, index: int, shard: torch.Tensor, *, write: bool) -> None:
+        """Write ``shard`` to, or read it from, its extent, part by part through slot 0."""
         seg = self.segments[index]
         self._quiet_slot(0)
-        self._view(0, seg).copy_(shard)
-        self.file.write(
-            self.offsets[index], self.ring[0].narrow(0, 0, aligned(seg.shard_numel_bytes))
-        )
+        per_part = self.slot_bytes // seg.dtype.itemsize
+        extent = aligned(seg.shard_numel_bytes)
+        for part in self._parts(index):
+            start = part * self.slot_bytes
+            raw = self.ring[0].narrow(0, 0, min(self.slot_bytes, extent - start))
+            numel = min(per_part, seg.layout.shard_numel - part * per_part)
+            view = self.ring[0].view(seg.dtype).narrow(0, 0, numel)
+            mine = shard.narrow(0, part * per_part, numel)
+            if write:
+                view.copy_(mine)
+                self.file.write(self.offsets[index] + start, raw)
+            else:
+                self.file.read(self.offsets[index] + start, raw)
+                mine.copy_(view)
 
     def _quiet_slot(self, slot: int) -> None:
         busy = self.busy[slot]
@@ -174,11 +201,9 @@ class DiskShards:
             return
         self.invalidate()
         self.writer.synchronize()  # the last step's writes (raises what failed)
-        self._quiet_slot(0)
         for index, seg in self.segments.items():
-            extent = self.ring[0].narrow(0, 0, aligned(seg.shard_numel_bytes))
-            self.file.read(self.offsets[index], extent)
-            seg.shard = self._view(0, seg).clone()
+            seg.shard = torch.empty(seg.layout.shard_numel, dtype=seg.dtype)
+            self._through_slot0(index, seg.shard, write=False)
         self._resident = True
         try:
             yield
@@ -190,6 +215,9 @@ class DiskShards:
                 seg.shard = _empty_like(seg)
 
     # -- accounting and teardown --------------------------------------------------------------
+
+    def io_bytes(self) -> tuple[int, int]:
+        return self.file.bytes_read, self.file.bytes_written
 
     @property
     def host_nbytes(self) -> int:

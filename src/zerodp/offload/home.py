@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from zerodp.offload.chunks import HostChunk
+from zerodp.offload.chunks import HostChunk, chunk_numel
 from zerodp.offload.disk_shards import DiskShards
 from zerodp.offload.landing import Landing
 from zerodp.params.segment import ShardedSegment
@@ -58,6 +58,9 @@ class ShardHome(Protocol):
 
     def resident(self, *, write: bool) -> AbstractContextManager[None]:
         """Every shard a host tensor while inside; ``write``: changes are kept."""
+
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes read from and written to its file since initialize (0 in host memory)."""
 
     @property
     def host_nbytes(self) -> int: ...
@@ -99,6 +102,9 @@ class HostShards:
     def resident(self, *, write: bool) -> AbstractContextManager[None]:
         return nullcontext()
 
+    def io_bytes(self) -> tuple[int, int]:
+        return 0, 0
+
     @property
     def host_nbytes(self) -> int:
         return sum(s.shard_nbytes for s in self.segments.values())
@@ -120,7 +126,8 @@ def make_home(
     if plan.offload_params == "cpu":
         return HostShards(landing.streams, segments)
     assert plan.offload_path is not None
-    return DiskShards(landing, plan.offload_path, rank, segments, plan.offload_ring)
+    slot_bytes = 4 * chunk_numel(plan.bucket_bytes)  # a chunk of fp32 ([Note: offload chunks])
+    return DiskShards(landing, plan.offload_path, rank, segments, plan.offload_ring, slot_bytes)
 
 
 @contextmanager

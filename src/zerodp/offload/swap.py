@@ -221,6 +221,11 @@ class SwapStore:
     def nvme_nbytes(self) -> int:
         return sum(f.nbytes for f in self.files.values())
 
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes read from and written to the files since they were made."""
+        files = self.files.values()
+        return sum(f.bytes_read for f in files), sum(f.bytes_written for f in files)
+
     @property
     def host_nbytes(self) -> int:
         return sum(b.numel() for ring in self.rings.values() for b in ring)

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import os
 import shutil
+import threading
 import uuid
 
 import torch
@@ -45,6 +46,9 @@ class SwapFile:
         self.directory = directory
         self.name = name
         self.nbytes = aligned(nbytes)
+        self.bytes_read = 0  # since creation, for the NVMe traffic a run reports
+        self.bytes_written = 0
+        self._count = threading.Lock()  # reads and writes run on different workers
         path = os.path.join(directory, f"zerodp-{name}-{uuid.uuid4().hex[:12]}.swap")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         self.direct = hasattr(os, "O_DIRECT")
@@ -75,6 +79,8 @@ class SwapFile:
         done = 0
         while done < len(view):
             done += os.pwritev(self.fd, [view[done:]], offset + done)
+        with self._count:
+            self.bytes_written += done
 
     def read(self, offset: int, buf: torch.Tensor) -> None:
         view = _bytes_of(buf)
@@ -84,6 +90,8 @@ class SwapFile:
             if n == 0:
                 raise OSError(errno.EIO, f"offload to NVMe: {self.name} ended at {offset + done}")
             done += n
+        with self._count:
+            self.bytes_read += done
 
     def close(self) -> None:
         if self.fd >= 0:

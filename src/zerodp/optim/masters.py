@@ -50,6 +50,8 @@ class Resident(Protocol):
 
     def wait(self) -> None: ...
 
+    def io_bytes(self) -> tuple[int, int]: ...
+
     def close(self) -> None: ...
 
 
@@ -64,12 +66,15 @@ class Masters:
         sharded: bool,
         rank: int,
         host: bool = False,
+        stored: bool = False,
     ):
         self.segments = segments
         self.host = host  # in host memory (optimizer offload; sharded only)
         self.separate = separate or host  # fp32 copies rather than the params
         self.owner = rank if sharded else None  # whose slices the optimizer steps
         self.rank = rank
+        # NVMe: the store writes these initial values to its files and drops them at once.
+        self.stored = stored
         assert not host or sharded, "offloaded masters are the owned slices (stages 1-3)"
         self.buffers: list[OwnedStorage] = [self._master(seg) for seg in segments]
         self.store: Resident | None = None  # NVMe: the masters are in files between steps
@@ -81,6 +86,10 @@ class Masters:
             return params
         if self.owner is None:
             return FlatBuffer(params.data.detach().float().clone(), seg.layout, None)
+        if self.stored and _host_fp32_shard(params):
+            # Only read once, before any step, into the store's files: no copy (at fp32 the
+            # shard holds exactly the masters' values), so initialize needs no second 4 B/param.
+            return params
         device = torch.device("cpu") if self.host else seg.device
         data = torch.empty(seg.layout.shard_numel, dtype=torch.float32, device=device)
         master = ShardBuffer(data, seg.layout, self.rank)
@@ -157,3 +166,12 @@ def copy_regions(dst: OwnedStorage, src: OwnedStorage) -> None:
         return
     for b in dst.layout.buckets:
         dst.region(b.index).copy_(src.region(b.index))
+
+
+def _host_fp32_shard(params: OwnedStorage) -> bool:
+    data = params.data
+    return (
+        isinstance(params, ShardBuffer)
+        and data.device.type == "cpu"
+        and data.dtype == torch.float32
+    )

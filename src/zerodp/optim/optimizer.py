@@ -145,6 +145,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Collective traffic (elements, bytes, calls by kind) of the last completed step."""
         return self._engine.comm_stats()
 
+    def nvme_io(self) -> dict[str, int]:
+        """Bytes this rank read from and wrote to its NVMe files (``ZeroConfig.offload``'s
+        "nvme" tiers) since ``initialize``, once the last step's writes are done: diff two
+        calls for a step's traffic."""
+        read, written = self._engine.nvme_io()
+        return {"read_bytes": read, "written_bytes": written}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state: the inner optimizer's ``state_dict`` (one
         entry per owned piece) plus which piece of which parameter each entry is. Waits for an

@@ -7,7 +7,8 @@ launcher), so it holds plain values only.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
@@ -35,6 +36,9 @@ class BenchOptions:
     weight_decay: float = 0.1
     fused_adamw: bool = False  # AdamW(fused=True) for every system (zerodp picks it by itself)
     profile_steps: int = 0  # after the timed steps, this many under torch.profiler (operators)
+    # zero3-infinity's files: a directory on the disk to measure (the temporary one by default)
+    offload_dir: str = field(default_factory=tempfile.gettempdir)
+    ring_buckets: int = 2  # offload rings (ZeroConfig.offload.ring_buckets)
 
     def __post_init__(self) -> None:
         parse_configs(",".join(self.configs))  # raises ValueError naming the bad names

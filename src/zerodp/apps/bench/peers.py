@@ -86,6 +86,10 @@ class Peer:
         """Measured traffic of the last step; only zerodp measures its own."""
         return None
 
+    def nvme_io(self) -> dict[str, int] | None:
+        """Bytes read from and written to NVMe files so far (zerodp's "nvme" tiers)."""
+        return None
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters on CPU, by name. A collective for sharded systems: every rank
         calls it."""
@@ -148,6 +152,10 @@ class ZerodpPeer(Peer):
     def comm(self) -> dict[str, Any] | None:
         stats = self.opt.comm_stats()
         return None if stats is None else stats.to_dict()
+
+    def nvme_io(self) -> dict[str, int] | None:
+        io: dict[str, int] = self.opt.nvme_io()
+        return io if any(io.values()) else None
 
     def full_params(self) -> dict[str, torch.Tensor]:
         import zerodp
@@ -226,16 +234,23 @@ def _build_zro(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer
 
 
 def _build_zerodp(
-    stage: int, offload: str = "none"
+    stage: int, offload: str = "none", params: str = "none"
 ) -> Callable[[nn.Module, RankInfo, BenchOptions], Peer]:
     def build(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
         import zerodp
 
+        nvme = "nvme" in (offload, params)
+        tiers = zerodp.OffloadConfig(
+            optimizer=offload,
+            params=params,
+            path=options.offload_dir if nvme else None,
+            ring_buckets=options.ring_buckets,
+        )
         config = zerodp.ZeroConfig(
             stage=stage,
             precision=options.precision,
             bucket_bytes=options.bucket_bytes,
-            offload=zerodp.OffloadConfig(optimizer=offload),
+            offload=tiers,
         )
         model, opt = zerodp.initialize(module, _adamw(module.parameters(), options), config)
         return ZerodpPeer(module, model, opt, autocast=False)
@@ -276,6 +291,7 @@ BUILDERS: dict[str, Callable[[nn.Module, RankInfo, BenchOptions], Peer]] = {
     "zro": _build_zro,
     **{f"zero{s}": _build_zerodp(s) for s in range(4)},
     **{f"zero{s}-offload": _build_zerodp(s, "cpu") for s in (2, 3)},
+    "zero3-infinity": _build_zerodp(3, "nvme", "nvme"),
     "fsdp2": _build_fsdp2(True),
     "fsdp2-noreshard": _build_fsdp2(False),
     **{f"deepspeed{s}": _build_deepspeed(s) for s in (1, 2, 3)},

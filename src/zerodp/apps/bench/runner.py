@@ -99,10 +99,14 @@ def _run(
         # The last step also accounts for memory at the end of its forward pass, when every
         # activation is alive (the hooks cost a Python call per saved tensor: ~1 ms).
         counted = _total(options) - 1
-        steps = [
-            _step(peer, sampler, s, info.device, probe, comm.barrier, clock, s == counted)
-            for s in range(_total(options))
-        ]
+
+        def timed(s: int) -> dict[str, Any]:
+            return _step(peer, sampler, s, info.device, probe, comm.barrier, clock, s == counted)
+
+        steps = [timed(s) for s in range(options.warmup)]
+        io_before = peer.nvme_io()
+        steps += [timed(s) for s in range(options.warmup, _total(options))]
+        io_after = peer.nvme_io()
         result = {
             **base,
             "status": "ok",
@@ -121,6 +125,8 @@ def _run(
             "comm": peer.comm(),
             "rss_end": current_rss(),
         }
+        if io_before is not None and io_after is not None:
+            result["nvme"] = nvme_traffic(io_before, io_after, options)
         if options.profile_steps:  # every configuration runs these steps: parity holds
 
             def step(s: int) -> None:
@@ -133,6 +139,25 @@ def _run(
             result["params_file"] = str(path)
         comm.barrier()
     return result
+
+
+def nvme_traffic(
+    before: dict[str, int], after: dict[str, int], options: BenchOptions
+) -> dict[str, Any]:
+    """Bytes per timed step to and from the NVMe files, and the disk's bandwidth measured now,
+    in the same directory, through the same file code (``zerodp.memory.measure.measure_disk``)."""
+    from zerodp.memory.measure import measure_disk
+
+    per_step = {k: (after[k] - before[k]) / options.steps for k in after}
+    disk = {m.name: m.value for m in measure_disk(options.offload_dir)}
+    read_s = per_step["read_bytes"] / disk["disk_read_bytes_per_s"]
+    write_s = per_step["written_bytes"] / disk["disk_write_bytes_per_s"]
+    return {
+        "per_step": per_step,
+        "disk": disk,
+        "directory": options.offload_dir,
+        "disk_seconds_per_step": {"read": read_s, "write": write_s},
+    }
 
 
 def _total(options: BenchOptions) -> int:

@@ -83,6 +83,15 @@ SYSTEMS: tuple[System, ...] = (
         "as stage 3; the optimizer step runs on the host (ZeroConfig.offload.optimizer='cpu')",
     ),
     System(
+        "zero3-infinity",
+        "zerodp",
+        "zerodp stage 3, parameters and optimizer state on NVMe (ZeRO-Infinity)",
+        3,
+        3,
+        3,
+        "as stage 3; shards and optimizer state in files (offload params='nvme', optimizer='nvme')",
+    ),
+    System(
         "zro",
         "torch",
         "torch ZeroRedundancyOptimizer + DDP",

@@ -149,6 +149,7 @@ def config_report(
             "profile_rank0": rank0.get("profile"),
             "steps_per_rank": [r["steps"] for r in first],  # raw: times and RSS per phase
             "step_times_s": times,
+            "nvme": rank0.get("nvme"),
         }
     )
     return out
@@ -338,6 +339,26 @@ def format_meta(meta: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def format_nvme(report: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for name, c in report["configs"].items():
+        n = c.get("nvme")
+        if not n:
+            continue
+        step, disk, secs = n["per_step"], n["disk"], n["disk_seconds_per_step"]
+        median = (c.get("step_time_s") or {}).get("median")
+        rss = c["rss_bytes"]["peak_steps"]
+        lines.append(
+            f"- {name}: read {step['read_bytes'] / 2**30:.2f} GiB, wrote "
+            f"{step['written_bytes'] / 2**30:.2f} GiB per step; disk "
+            f"{disk['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
+            f"{disk['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write ({n['directory']}): "
+            f"{secs['read'] + secs['write']:.2f} s of disk time per step against "
+            f"{median:.2f} s per step; peak RSS {rss / c['num_params']:.2f} B/param"
+        )
+    return lines
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     cuda = [
         f"- {n}: {fmt_mib(c['rss_bytes']['cuda_peak'])} MiB"
@@ -375,6 +396,10 @@ def format_report(report: Mapping[str, Any]) -> str:
     ]
     if cuda:
         out += ["", "Peak CUDA memory allocated during the steps (max over ranks):", *cuda]
+    nvme = format_nvme(report)
+    if nvme:
+        title = "NVMe traffic per timed step, rank 0, and the disk measured in the same run:"
+        out += ["", title, *nvme]
     profile = format_profile_table(report)
     if profile:
         title = "Top operators by median self CPU ms per step (torch.profiler, rank 0):"

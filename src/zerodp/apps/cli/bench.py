@@ -3,7 +3,9 @@
 Configurations (``--configs``, default all): ``ddp`` (DistributedDataParallel, the reference),
 ``plain`` (no wrapper; world size 1 only, "not available" otherwise), ``zero0``-``zero3``
 (zerodp), ``zero2-offload`` / ``zero3-offload`` (zerodp with the optimizer offloaded to the
-CPU), ``zro`` (torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard``
+CPU), ``zero3-infinity`` (parameters and optimizer state on NVMe, in ``--offload-dir``: its
+traffic per step is printed beside the disk's bandwidth, measured in the same run), ``zro``
+(torch ZeroRedundancyOptimizer over DDP), ``fsdp2`` / ``fsdp2-noreshard``
 (``fully_shard`` per transformer block then the root, reshard_after_forward True / False),
 ``deepspeed1``-``deepspeed3`` (only where ``import deepspeed`` works: an optional extra, "not
 installed" otherwise).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
@@ -83,6 +86,12 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="then N more steps under torch.profiler: top operators per config (default 0)",
     )
+    p.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="zero3-infinity's files (default: the temporary directory); its disk is measured",
+    )
+    p.add_argument("--ring-buckets", type=positive_int, default=2, help="offload rings (default 2)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="write the full report here")
     p.set_defaults(func=run)
@@ -105,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         fused_adamw=args.fused_adamw,
         profile_steps=args.profile_steps,
+        ring_buckets=args.ring_buckets,
+        **({"offload_dir": os.path.abspath(args.offload_dir)} if args.offload_dir else {}),
     )
     report = run_bench(options)
     print(format_report(report), flush=True)

@@ -83,6 +83,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt120m": GPTConfig(
         vocab_size=22528, seq_len=128, n_layer=12, n_head=12, n_embd=768, tie_embeddings=False
     ),
+    # ~355M parameters, GPT-2-medium-shaped, tied embeddings: the NVMe (ZeRO-Infinity)
+    # benchmark at world size 1 on CPU (issue 15); its embedding is the largest tensor (51.5M).
+    "gpt350m": GPTConfig(vocab_size=50304, seq_len=128, n_layer=24, n_head=16, n_embd=1024),
     # ~1.01B parameters, tied embeddings: the single-GPU overhead benchmark (issue 5: bf16,
     # world size 1, zerodp vs plain training vs FSDP2). Byte tokens use 256 of the 50304 rows.
     "gpt1b": GPTConfig(vocab_size=50304, seq_len=1024, n_layer=18, n_head=16, n_embd=2048),
