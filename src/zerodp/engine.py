@@ -34,6 +34,7 @@ from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
 from zerodp.memory.report import Holdings
 from zerodp.offload.build import offload_pieces, offload_step
+from zerodp.offload.host_memory import bound_host_allocator
 from zerodp.offload.landing import Landing
 from zerodp.offload.refuse import refuse_adoption
 from zerodp.optim import misuse
@@ -90,6 +91,8 @@ class ZeroEngine:
     ) -> None:
         self.config = config
         self.plan = resolve(config)
+        if self.plan.offload_optimizer != "none":
+            bound_host_allocator()  # before the shards are built: [Note: host allocator]
         self.comm = Communicator(process_group, CommLedger(), config.watchdog_s)
         self.model = model
         named = _unique_named_parameters(model)
@@ -185,14 +188,16 @@ class ZeroEngine:
             self._staleness.cleared()
 
     def _build_pieces(self, *, cut: bool = True) -> list[OptimPiece]:
-        """The optimizer's pieces; offloaded, ``cut`` at the chunk boundaries."""
+        """The optimizer's pieces; offloaded, ``cut`` at the chunk boundaries. Uncut ones are
+        for the device runner that only checks and clips: they view the gradients in place of
+        the masters, which they must not keep alive (the NVMe store drops them)."""
         owner = self.masters.owner
         per_seg = [s.layout.owned_pieces(owner) for s in self.segments]
         if cut and self.landing is not None and owner is not None:
             per_seg = offload_pieces(self.plan, self.segments, per_seg, owner)
-        master = [self.masters.storage(i) for i in range(len(self.segments))]
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
-        return make_pieces(self.segments, per_seg, self._groups, master, grads)
+        master = [self.masters.storage(i) for i in range(len(self.segments))]
+        return make_pieces(self.segments, per_seg, self._groups, master if cut else grads, grads)
 
     def _runner(self, optimizer: torch.optim.Optimizer) -> StepRunner:
         offloaded = self.landing is not None

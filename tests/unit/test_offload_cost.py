@@ -170,7 +170,9 @@ def test_placement_rules() -> None:
     assert not Placement(optimizer="cpu", optimizer_fraction=0.5).built
     assert Placement(optimizer="nvme").built
     assert not Placement(optimizer="nvme", optimizer_fraction=0.5).built
-    assert not Placement(params="cpu", stage=3).built
+    assert not Placement(params="cpu", stage=3).built  # refused without optimizer offload
+    assert Placement(optimizer="cpu", params="cpu", stage=3).built
+    assert Placement(optimizer="nvme", params="nvme", stage=3).built
 
 
 # -- step time -----------------------------------------------------------------------------------
@@ -262,12 +264,15 @@ def test_partial_offload_steps_part_on_the_device() -> None:
 
 
 def test_offloaded_params_pipeline_units_through_pcie() -> None:
-    # 10 units (no shape: one per bucket); backward: h2d 2, compute 4, d2h 2 -> 4 + 0.4; forward:
-    # h2d 2, compute 2 -> 2.2; the host: 2.5 + 1.5 / 10 + (2 + 2) / 10 = 3.05 s, the longer.
+    # As built: 10 units (no shape: one per bucket); backward: h2d 2, compute 4 -> 4 + 0.2 (the
+    # reduced gradients stay on the device until the step); then the device's track: every
+    # gradient to the host (d2h 2, upcast 1.5 -> 2 + 0.15) and the forward (h2d 2, compute 2
+    # -> 2.2): 4.35 s, longer than the host's (CPU Adam and cast 2.5 + (2 + 1.5) / 10).
     p = Placement(optimizer="cpu", params="cpu", stage=3)
     assert _path(ROUND, p, _round_machine()) == [
-        ("backward", "compute", 4.4),
-        ("offloaded step", "cpu adam", 3.05),
+        ("backward", "compute", 4.2),
+        ("gradients to host", "pcie d2h", 2.15),
+        ("forward", "pcie h2d", 2.2),
     ]
 
 

@@ -125,10 +125,13 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     params_read = shard / read if p.params == "nvme" else 0.0  # one pass
     params_write = shard / write if p.params == "nvme" else 0.0
 
-    # Phase 1: backward.
+    # Phase 1: backward. Built, the reduced gradients stay on the device until the step; the
+    # unbuilt design sends each unit's out as soon as it is reduced.
+    grads_in_backward = params_off and not p.built
     if params_off:
         stages = [("disk", params_read), ("pcie h2d", units_h2d), ("compute", backward)]
-        back, back_by = pipeline([*stages, ("pcie d2h", grads_d2h)], w.units)
+        out = grads_d2h if grads_in_backward else 0.0
+        back, back_by = pipeline([*stages, ("pcie d2h", out)], w.units)
     else:
         back, back_by = backward, "compute"
 
@@ -154,7 +157,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     if h:
         disk = state_read + state_write + params_write
         stages = [
-            ("pcie d2h", 0.0 if params_off else grads_d2h),
+            ("pcie d2h", 0.0 if grads_in_backward else grads_d2h),
             ("host memcpy", unpack),
             ("disk", disk),
             ("cpu adam", adam + cast),

@@ -148,8 +148,8 @@ class Placement:
     @property
     def built(self) -> bool:
         """Whether zerodp implements this placement today (the rest are predictions)."""
-        if self.params != "none":
-            return False
+        if self.params != "none" and self.optimizer == "none":
+            return False  # refused: parameter offload needs the optimizer offloaded
         return self.optimizer == "none" or self.optimizer_fraction == 1.0
 
     @property

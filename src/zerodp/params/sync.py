@@ -208,7 +208,8 @@ class ShardedParamSync:
 
     def publish(self, masters: Masters, *, written: bool = False) -> None:
         self.sharded.reset()  # gathered copies are stale now: release them
-        with resident(self.sharded.home, write=not written):
+        # Offloaded shards are written by the step itself; a load's publish writes them here.
+        with resident(None if written else self.sharded.home, write=True):
             _publish(self.gather, masters, self.plan, written)
 
     def update_order(self) -> list[tuple[int, int]]:

@@ -146,7 +146,7 @@ def nvme_traffic(
 ) -> dict[str, Any]:
     """Bytes per timed step to and from the NVMe files, and the disk's bandwidth measured now,
     in the same directory, through the same file code (``zerodp.memory.measure.measure_disk``)."""
-    from zerodp.memory.measure import measure_disk
+    from zerodp.memory import measure_disk
 
     per_step = {k: (after[k] - before[k]) / options.steps for k in after}
     disk = {m.name: m.value for m in measure_disk(options.offload_dir)}

@@ -322,8 +322,9 @@ def _to_text(
         if key in largest:
             lines.append(_largest_line(what, largest[key]))
     lines.append(
-        "built: zerodp implements optimizer none, cpu and nvme today; params cpu/nvme and "
-        "a partial optimizer fraction are predictions (docs/offload.md)"
+        "built: zerodp implements optimizer none, cpu and nvme, and params cpu and nvme with "
+        "the optimizer offloaded, today; a partial optimizer fraction is a prediction "
+        "(docs/offload.md)"
     )
     return "\n".join(lines)
 
