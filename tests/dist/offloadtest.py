@@ -133,3 +133,11 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def differing(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
     """The names whose tensors are not bitwise equal."""
     return [n for n in want if not torch.equal(want[n], got[n])]
+
+
+def mismatch(want, want_state, got, got_state) -> str | None:  # type: ignore[no-untyped-def]
+    """What differs between two runs' parameters (by name) and optimizer state values (a
+    count; a different number of values raises), or None when they are bitwise equal."""
+    names = differing(want, got)
+    states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
+    return f"params {names[:3]}, {states} states" if names or states else None

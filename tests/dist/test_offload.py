@@ -16,8 +16,8 @@ import torch
 from offloadtest import (
     STAGES,
     TIMEOUT,
-    differing,
     gpt_batch,
+    mismatch,
     model_loss,
     offload_config,
     tiny_gpt,
@@ -43,10 +43,9 @@ def case_parity(kind: str, precisions: tuple[str, ...]) -> list[str]:
             assert report.offload == "cpu" and report.host > 0, "the run was not offloaded"
             if stage == 3:
                 assert (report.persistent_parameters > 0) == bool(persist), "persistent ones?"
-            names = differing(want, got)
-            states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
-            if names or states:
-                differ.append(f"stage {stage} {precision}: params {names[:3]}, {states} states")
+            wrong = mismatch(want, want_state, got, got_state)
+            if wrong:
+                differ.append(f"stage {stage} {precision}: {wrong}")
     return differ
 
 

@@ -18,8 +18,8 @@ from offloadtest import (
     STAGES,
     TIMEOUT,
     clipped_step,
-    differing,
     full_params,
+    mismatch,
     model_loss,
     offload_config,
     state_values,
@@ -44,10 +44,9 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
             config = offload_config(stage, precision, "nvme", path=root, ring_buckets=2)
             got, got_state, report = train(kind, config)
             assert report.offload == "nvme" and report.nvme > 0, "the run was not on NVMe"
-            names = differing(want, got)
-            states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
-            if names or states or len(want_state) != len(got_state):
-                differ.append(f"stage {stage} {precision}: params {names[:3]}, {states} states")
+            wrong = mismatch(want, want_state, got, got_state)
+            if wrong:
+                differ.append(f"stage {stage} {precision}: {wrong}")
     return differ
 
 

@@ -19,6 +19,7 @@ from offloadtest import (
     clipped_step,
     differing,
     full_params,
+    mismatch,
     offload_config,
     state_values,
     tiny_gpt,
@@ -50,10 +51,9 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
                 kind, _config(precision, optimizer, params, root, persist)
             )
             assert report.params_offload == params, "the parameters were not offloaded"
-            names = differing(want, got)
-            states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
-            if names or states or len(want_state) != len(got_state):
-                differ.append(f"{optimizer}/{params} {precision}: {names[:3]}, {states} states")
+            wrong = mismatch(want, want_state, got, got_state)
+            if wrong:
+                differ.append(f"{optimizer}/{params} {precision}: {wrong}")
     return differ
 
 

@@ -83,6 +83,21 @@ class DiskShards:
     def _parts(self, index: int) -> range:
         return range(-(-aligned(self.segments[index].shard_numel_bytes) // self.slot_bytes))
 
+    def _part(self, index: int, part: int) -> tuple[int, int, int, int]:
+        """Part ``part`` of segment ``index``: (its byte offset in the file, the bytes one
+        aligned transfer moves, its first element in the shard, its elements)."""
+        seg = self.segments[index]
+        start = part * self.slot_bytes
+        size = min(self.slot_bytes, aligned(seg.shard_numel_bytes) - start)
+        per_part = self.slot_bytes // seg.dtype.itemsize
+        first = part * per_part
+        return (
+            self.offsets[index] + start,
+            size,
+            first,
+            min(per_part, seg.layout.shard_numel - first),
+        )
+
     # -- gathers -----------------------------------------------------------------------------
 
     def holds(self, seg: int) -> bool:
@@ -95,19 +110,18 @@ class DiskShards:
         upcoming = self.order.visit(seg.index)
         if len(self.order.current) > self._pass_limit:
             self.order.end()
-        per_part = self.slot_bytes // seg.dtype.itemsize
-        for part in self._parts(seg.index):
-            entry = self.cache.pop((seg.index, part), None)
+        parts = [(seg.index, p) for p in self._parts(seg.index)]
+        ahead = [(i, p) for i in upcoming for p in self._parts(i)]
+        for k, key in enumerate(parts):
+            entry = self.cache.pop(key, None)
             self.hits += entry is not None
             self.misses += entry is None
-            slot, read = entry or self._read((seg.index, part))
-            later = [(seg.index, p) for p in self._parts(seg.index) if p > part]
-            self._read_ahead(later + [(i, p) for i in upcoming for p in self._parts(i)])
+            slot, read = entry or self._read(key)
+            self._read_ahead(parts[k + 1 :] + ahead)
             read.wait()
-            start = part * per_part
-            numel = min(per_part, seg.layout.shard_numel - start)
+            _, _, first, numel = self._part(*key)
             src = self.ring[slot].view(seg.dtype).narrow(0, 0, numel)
-            copy = partial(dst.narrow(0, start, numel).copy_, src, non_blocking=True)
+            copy = partial(dst.narrow(0, first, numel).copy_, src, non_blocking=True)
             self.busy[slot] = self.streams.compute.submit(copy, uses=[src])
             self.free.append(slot)
 
@@ -138,10 +152,8 @@ class DiskShards:
                 written.wait()
         if busy is not None:  # the last copy out of the slot
             busy.wait()
-        index, part = key
-        start = part * self.slot_bytes
-        size = min(self.slot_bytes, aligned(self.segments[index].shard_numel_bytes) - start)
-        self.file.read(self.offsets[index] + start, self.ring[slot].narrow(0, 0, size))
+        offset, size, _, _ = self._part(*key)
+        self.file.read(offset, self.ring[slot].narrow(0, 0, size))
 
     def invalidate(self) -> None:
         for slot, read in self.cache.values():
@@ -171,21 +183,17 @@ class DiskShards:
 
     def _through_slot0(self, index: int, shard: torch.Tensor, *, write: bool) -> None:
         """Write ``shard`` to, or read it from, its extent, part by part through slot 0."""
-        seg = self.segments[index]
         self._quiet_slot(0)
-        per_part = self.slot_bytes // seg.dtype.itemsize
-        extent = aligned(seg.shard_numel_bytes)
         for part in self._parts(index):
-            start = part * self.slot_bytes
-            raw = self.ring[0].narrow(0, 0, min(self.slot_bytes, extent - start))
-            numel = min(per_part, seg.layout.shard_numel - part * per_part)
-            view = self.ring[0].view(seg.dtype).narrow(0, 0, numel)
-            mine = shard.narrow(0, part * per_part, numel)
+            offset, size, first, numel = self._part(index, part)
+            raw = self.ring[0].narrow(0, 0, size)
+            view = self.ring[0].view(shard.dtype).narrow(0, 0, numel)
+            mine = shard.narrow(0, first, numel)
             if write:
                 view.copy_(mine)
-                self.file.write(self.offsets[index] + start, raw)
+                self.file.write(offset, raw)
             else:
-                self.file.read(self.offsets[index] + start, raw)
+                self.file.read(offset, raw)
                 mine.copy_(view)
 
     def _quiet_slot(self, slot: int) -> None:
