@@ -75,14 +75,12 @@ def switch_transformers(experts: int) -> nn.Module:
     return SwitchTransformersForConditionalGeneration(cfg)
 
 
-def llama_config():
+def llama_config(**overrides: int):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig
 
+    fields = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, **overrides}
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=32,
@@ -90,6 +88,7 @@ def llama_config():
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
+        **fields,
     )
 
 

@@ -44,7 +44,7 @@ class OptimPiece:
     name: str
     piece: Piece
     group: int
-    tensor: torch.Tensor  # 1D view into the master storage; what the optimizer updates
+    tensor: torch.Tensor  # 1D alias of the master storage; what the optimizer updates
     grad: torch.Tensor  # 1D view into the reduced-gradient storage
 
 
@@ -123,11 +123,24 @@ def make_pieces(
                     seg.names[pc.slot],
                     pc,
                     group,
-                    master[i].piece(pc),
+                    alias(master[i].piece(pc)),
                     grads[i].piece(pc),
                 )
             )
     return out
+
+
+def alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s memory that is not a view of its base.
+
+    Why: the optimizer's tensors are re-pointed later (the NVMe store points them at its ring
+    slots and empties them between steps, keeping the same objects, which key the optimizer's
+    state), and a view keeps its base tensor alive whatever it is pointed at next. A view of
+    the initial masters would keep every one alive: 4 B/param of host memory that the NVMe
+    store exists to free (at stage 3 with the parameters on NVMe, the shards themselves)."""
+    out = torch.empty(0, dtype=view.dtype, device=view.device)
+    with torch.no_grad():
+        return out.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def rebind_optimizer(
