@@ -77,3 +77,37 @@ def test_bench_plain_one_rank(tmp_path: Path) -> None:
     # The same arithmetic as DDP over one rank (same AdamW kernel): identical parameters.
     assert configs["plain"]["parity_vs_ddp"]["max_abs_diff"] == 0
     assert configs["zero2"]["parity_vs_ddp"]["passed"]
+
+
+def test_bench_infinity_is_built_sharded_and_trains_as_stage_3(tmp_path: Path) -> None:
+    """``zero3-infinity`` builds its model with ``zerodp.sharded_init()`` (never whole in
+    memory) and still starts from the values every other system gets from the seed: its
+    losses are bitwise stage 3's, and its parameters DDP's within the fp32 tolerance. It reads
+    and writes its files every step and measures the disk in the same run."""
+    out = tmp_path / "bench.json"
+    args = ["--preset", "tiny", "--world-size", "1", "--steps", "2", "--warmup", "1"]
+    args += ["--batch", "2", "--threads", "1", "--configs", "ddp,zero3,zero3-infinity"]
+    args += ["--offload-dir", str(tmp_path / "nvme"), "--json", str(out)]
+    proc = _bench(tmp_path, args)
+    configs = json.loads(out.read_text())["configs"]
+    infinity, stage3 = configs["zero3-infinity"], configs["zero3"]
+    assert infinity["status"] == "ok", infinity.get("reason")
+    assert infinity["losses_rank0"] == stage3["losses_rank0"]
+    assert infinity["parity_vs_ddp"]["passed"], infinity["parity_vs_ddp"]
+    assert infinity["memory_bytes"]["parameters"] == 0  # every shard in the file
+    per_step = infinity["nvme"]["per_step"]
+    assert per_step["read_bytes"] > 0 and per_step["written_bytes"] > 0, per_step
+    assert infinity["nvme"]["disk"]["disk_read_bytes_per_s"] > 0
+    assert "NVMe traffic per timed step" in proc.stdout
+
+
+def test_only_infinity_builds_on_the_meta_device() -> None:
+    import torch
+
+    from zerodp.apps.bench.runner import _construct
+    from zerodp.apps.models.gpt import get_config
+
+    cpu = torch.device("cpu")
+    for name, device in (("zero3-infinity", "meta"), ("zero3", "cpu"), ("fsdp2", "cpu")):
+        model = _construct(name, get_config("tiny"), cpu)
+        assert {p.device.type for p in model.parameters()} == {device}, name

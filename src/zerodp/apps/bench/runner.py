@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 
+from zerodp import sharded_init
 from zerodp.apps.bench import peers
 from zerodp.apps.bench.operators import profile_steps
 from zerodp.apps.bench.options import BenchOptions
 from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
+from zerodp.apps.bench.systems import BY_NAME
 from zerodp.apps.train.world import cores_per_rank, local_placement
 from zerodp.comm import Communicator, destroy, init_from_env
 from zerodp.comm.launch import record
@@ -72,7 +74,7 @@ def _run(
     save_params: bool,
 ) -> dict[str, Any]:
     from zerodp.apps.data.corpus import BatchSampler, load_corpus
-    from zerodp.apps.models.gpt import GPT, get_config, num_parameters
+    from zerodp.apps.models.gpt import get_config, num_parameters
 
     base = {"rank": info.rank, "config": name}
     try:
@@ -86,7 +88,7 @@ def _run(
     rss_baseline = current_rss()  # runtime: torch, the system's modules, the process group
     heap_baseline = malloc_stats()
     torch.manual_seed(options.seed)  # the same initial weights for every configuration
-    module = GPT(cfg).to(info.device)
+    module = _construct(name, cfg, info.device)
     num_params = num_parameters(module)
     try:
         peer = peers.build(name, module, info, options)
@@ -158,6 +160,18 @@ def nvme_traffic(
         "directory": options.offload_dir,
         "disk_seconds_per_step": {"read": read_s, "write": write_s},
     }
+
+
+def _construct(name: str, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """The GPT, on the device, or on the meta device for a system built with
+    ``zerodp.sharded_init()`` (``initialize`` materialises it unit by unit, with the values a
+    whole build draws from the same seed)."""
+    from zerodp.apps.models.gpt import GPT
+
+    if not BY_NAME[name].sharded_init:
+        return GPT(cfg).to(device)
+    with sharded_init():
+        return GPT(cfg)
 
 
 def _total(options: BenchOptions) -> int:

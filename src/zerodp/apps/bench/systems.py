@@ -39,6 +39,9 @@ class System:
     comm_paper: float  # paper's volume per step for that stage, in Ψ
     comm_impl: float  # what this implementation moves per step, in Ψ
     comm_note: str  # how comm_impl comes about
+    # Built with ``zerodp.sharded_init()`` (never whole in memory), as a model that does not
+    # fit is built for ZeRO-Infinity; the same initial values ([Note: sharded construction]).
+    sharded_init: bool = False
 
 
 SYSTEMS: tuple[System, ...] = (
@@ -90,6 +93,7 @@ SYSTEMS: tuple[System, ...] = (
         3,
         3,
         "as stage 3; shards and optimizer state in files (offload params='nvme', optimizer='nvme')",
+        sharded_init=True,
     ),
     System(
         "zro",
