@@ -121,7 +121,7 @@ class DiskShards:
             read.wait()
             _, _, first, numel = self._part(*key)
             src = self.ring[slot].view(seg.dtype).narrow(0, 0, numel)
-            copy = partial(dst.narrow(0, first, numel).copy_, src, non_blocking=True)
+            copy = partial(_copy, dst.narrow(0, first, numel), src)
             self.busy[slot] = self.streams.compute.submit(copy, uses=[src])
             self.free.append(slot)
 
@@ -245,3 +245,10 @@ class DiskShards:
 
 def _empty_like(seg: ShardedSegment) -> torch.Tensor:
     return torch.empty(0, dtype=seg.dtype, device="cpu")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` returning nothing: an event keeps what its work returned, and ``copy_``
+    returns ``dst``, a view that would keep a gather's fresh buffer (``full_parameters``) alive
+    for as long as the slot's event is kept."""
+    dst.copy_(src, non_blocking=True)
