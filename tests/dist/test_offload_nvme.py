@@ -156,18 +156,21 @@ def case_nothing_outside_the_report(root: str) -> list[tuple[str, int, int, list
     """(what ran, its parameters, bytes alive beyond the memory report's device + host, the
     largest storages that were not alive before)."""
     runs = [
-        ("gpt", 1, "bf16", {}),
-        ("gpt", 2, "fp32", {}),
-        ("gpt", 3, "bf16", {"params": "nvme"}),
-        ("llama", 3, "fp32", {"params": "nvme"}),
+        ("gpt", 1, "bf16", "nvme", {}),
+        ("gpt", 2, "fp32", "nvme", {}),
+        ("gpt", 3, "bf16", "nvme", {"params": "nvme"}),
+        ("llama", 3, "fp32", "nvme", {"params": "nvme"}),
+        ("gpt", 2, "bf16", "cpu", {}),
+        ("gpt", 3, "bf16", "cpu", {"params": "cpu"}),
     ]
     out = []
-    for kind, stage, precision, extra in runs:
+    for kind, stage, precision, tier, extra in runs:
         before = _live_storages()
         model = _model(kind)
         numel = sum(p.numel() for p in model.parameters())
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        config = offload_config(stage, precision, "nvme", path=root, ring_buckets=2, **extra)
+        path = root if tier == "nvme" else None
+        config = offload_config(stage, precision, tier, path=path, ring_buckets=2, **extra)
         model, opt = zerodp.initialize(model, inner, config)
         rank, world = rank_world()
         for step in range(2):
@@ -180,7 +183,7 @@ def case_nothing_outside_the_report(root: str) -> list[tuple[str, int, int, list
         after = _live_storages()
         total = sum(n for n, _ in after.values()) - sum(n for n, _ in before.values())
         new = sorted((v for k, v in after.items() if k not in before), reverse=True)[:4]
-        what = f"{kind} stage {stage} {precision} {extra}"
+        what = f"{kind} stage {stage} {precision} {tier} {extra}"
         out.append((what, numel, total - report.device - report.host, new))
         opt.close()
         del model, opt, inner
@@ -188,13 +191,13 @@ def case_nothing_outside_the_report(root: str) -> list[tuple[str, int, int, list
 
 
 def test_nothing_outside_the_memory_report_stays_alive(world, tmp_path):
-    """On NVMe the initial fp32 masters (and at stage 3 with the parameters on NVMe, the shards)
-    are written to the files and dropped: after two steps and a ``full_parameters`` block (whose
-    gathers fill fresh buffers through the read ring), the tensors alive are what the memory
-    report counts, give or take 64 KiB (the parameters' placeholders, the last loss, gloo's).
-    The read ring's events once kept the last gathers' fresh buffers alive.
-    While the optimizer's tensors were views, they kept every initial master alive: 4 B/param
-    more (420 KB for the GPT)."""
+    """After two steps and a ``full_parameters`` block (its gathers fill fresh buffers), the
+    tensors alive are what the memory report counts, give or take 64 KiB (the parameters'
+    placeholders, the last loss, gloo's), for every tier: on NVMe the initial fp32 masters (and
+    at stage 3 with the parameters on NVMe, the shards) are written to the files and dropped.
+    Two leaks this caught: the optimizer's tensors were views that kept every initial master
+    alive (4 B/param, 420 KB for the GPT), and the NVMe read ring's events kept the last
+    gathers' buffers."""
     for results in world(2).run(case_nothing_outside_the_report, str(tmp_path), timeout=TIMEOUT):
         for what, numel, beyond, new in results:
             assert beyond < 64 * 1024 < numel, (what, beyond, numel, new)
