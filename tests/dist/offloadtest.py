@@ -101,6 +101,14 @@ def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore
     return params, state, report
 
 
+def compare(kind: str, want_config: zerodp.ZeroConfig, got_config: zerodp.ZeroConfig):  # type: ignore[no-untyped-def]
+    """Train ``kind`` under both configurations: what differs (``mismatch``: None when bitwise
+    equal) and the second run's memory report."""
+    want, want_state, _ = train(kind, want_config)
+    got, got_state, report = train(kind, got_config)
+    return mismatch(want, want_state, got, got_state), report
+
+
 def state_values(opt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Every optimizer state value per parameter (by name, then state key): the pieces' values
     joined in element order. Offloaded runs cut parameters into more pieces ([Note: offload

@@ -20,13 +20,12 @@ from offloadtest import (
     STAGES,
     TIMEOUT,
     clipped_step,
+    compare,
     full_params,
-    mismatch,
     model_loss,
     offload_config,
     state_values,
     tiny_gpt,
-    train,
 )
 from zerotest import rank_world
 
@@ -42,11 +41,9 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
     differ = []
     for stage in STAGES:
         for precision in precisions:
-            want, want_state, _ = train(kind, offload_config(stage, precision, "none"))
             config = offload_config(stage, precision, "nvme", path=root, ring_buckets=2)
-            got, got_state, report = train(kind, config)
+            wrong, report = compare(kind, offload_config(stage, precision, "none"), config)
             assert report.offload == "nvme" and report.nvme > 0, "the run was not on NVMe"
-            wrong = mismatch(want, want_state, got, got_state)
             if wrong:
                 differ.append(f"stage {stage} {precision}: {wrong}")
     return differ
