@@ -23,6 +23,7 @@ builders into ``views.py`` behind a narrow protocol is the next split.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -200,19 +201,18 @@ class ZeroEngine:
         return make_pieces(self.segments, per_seg, self._groups, master if cut else grads, grads)
 
     def _runner(self, optimizer: torch.optim.Optimizer) -> StepRunner:
-        offloaded = self.landing is not None
-        runner = make_runner(
-            self.segments,
-            self._build_pieces(cut=False) if offloaded else self.pieces,
-            mixed=self.plan.mixed,
-            sharded=self.plan.shard_optimizer,
-            rank=self.comm.rank,
-        )
+        def runner(pieces: list[OptimPiece]) -> StepRunner:
+            plan, rank = self.plan, self.comm.rank
+            args = (self.segments, pieces)
+            return make_runner(*args, mixed=plan.mixed, sharded=plan.shard_optimizer, rank=rank)
+
         if self.landing is None:
-            return runner
+            return runner(self.pieces)
         order = self.param_sync.update_order()
-        args = (self.plan, self.segments, self.pieces, self.masters, runner, self.landing, order)
-        return offload_step(*args, optimizer, self.param_sync.home)
+        args = (self.plan, self.segments, self.pieces, self.masters, self.landing, order)
+        sync = self.param_sync
+        check = partial(runner, self._build_pieces(cut=False)) if sync.spill is None else None
+        return offload_step(*args, optimizer, sync.home, sync.spill, check)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
@@ -460,12 +460,13 @@ class ZeroEngine:
             host=self.runner.host_nbytes,
             params_offload=self.plan.offload_params,
             params_home=self.param_sync.home_bytes(),
+            gradients_offload="nvme" if self.plan.offload_gradients else "device",
         )
 
     def nvme_io(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier's files since initialize."""
         self.wait_optimizer()
-        parts = [self.masters.store, self.param_sync.home]
+        parts = [self.masters.store, self.param_sync.home, self.param_sync.spill]
         moved = [part.io_bytes() for part in parts if part is not None]
         return sum(r for r, _ in moved), sum(w for _, w in moved)
 

@@ -67,32 +67,37 @@ def clipped_step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
     opt.zero_grad()
 
 
-def train_steps(kind: str, model, opt, sched, steps: int) -> None:  # type: ignore[no-untyped-def]
-    """Clip every step, accumulate two micro-batches at step 1, a scheduler after each step."""
+def train_steps(  # type: ignore[no-untyped-def]
+    kind: str, model, opt, sched, steps: int, *, clip: bool = True, synced: bool = False
+) -> None:
+    """Clip every step (``clip``), accumulate two micro-batches at step 1 (the first inside
+    ``no_sync``; ``synced``: both synchronised), a scheduler after each step."""
     rank, world = rank_world()
     for step in range(steps):
         micro = 2 if step == 1 else 1
         for m in range(micro):
             loss = model_loss(kind, model, 10 * step + m, rank, world)
-            if m < micro - 1:
+            if m < micro - 1 and not synced:
                 with model.no_sync():
                     opt.backward(loss)
             else:
                 opt.backward(loss)
-        opt.clip_grad_norm_(0.05)
+        if clip:
+            opt.clip_grad_norm_(0.05)
         opt.step()
         sched.step()
         opt.zero_grad()
 
 
-def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore[no-untyped-def]
+def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3, **how):  # type: ignore[no-untyped-def]
+    """``how``: ``train_steps``'s options."""
     model = build_model(kind)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
     model, opt = zerodp.initialize(model, inner, config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the scheduler's "step() before" warning
-        train_steps(kind, model, opt, sched, steps)
+        train_steps(kind, model, opt, sched, steps, **how)
     params = full_params(model)
     # Through state_dict: on NVMe the optimizer's own tensors are empty between steps.
     state = state_values(opt)
@@ -101,11 +106,11 @@ def train(kind: str, config: zerodp.ZeroConfig, steps: int = 3):  # type: ignore
     return params, state, report
 
 
-def compare(kind: str, want_config: zerodp.ZeroConfig, got_config: zerodp.ZeroConfig):  # type: ignore[no-untyped-def]
+def compare(kind: str, want_config: zerodp.ZeroConfig, got_config: zerodp.ZeroConfig, **how):  # type: ignore[no-untyped-def]
     """Train ``kind`` under both configurations: what differs (``mismatch``: None when bitwise
     equal) and the second run's memory report."""
-    want, want_state, _ = train(kind, want_config)
-    got, got_state, report = train(kind, got_config)
+    want, want_state, _ = train(kind, want_config, **how)
+    got, got_state, report = train(kind, got_config, **how)
     return mismatch(want, want_state, got, got_state), report
 
 

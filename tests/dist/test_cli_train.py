@@ -115,6 +115,7 @@ def test_offload_optimizer_cpu_trains_exactly_as_without_it(
     assert run["config"]["offload"] == {
         "optimizer": "cpu",
         "params": "none",
+        "gradients": "device",
         "path": None,
         "ring_buckets": 4,
     }

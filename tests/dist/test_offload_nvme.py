@@ -157,6 +157,8 @@ def case_nothing_outside_the_report(root: str) -> list[tuple[str, int, int, list
         ("gpt", 2, "fp32", "nvme", {}),
         ("gpt", 3, "bf16", "nvme", {"params": "nvme"}),
         ("llama", 3, "fp32", "nvme", {"params": "nvme"}),
+        ("gpt", 3, "bf16", "nvme", {"params": "nvme", "gradients": "nvme"}),
+        ("llama", 3, "fp32", "cpu", {"gradients": "nvme"}),
         ("gpt", 2, "bf16", "cpu", {}),
         ("gpt", 3, "bf16", "cpu", {"params": "cpu"}),
     ]
@@ -166,7 +168,7 @@ def case_nothing_outside_the_report(root: str) -> list[tuple[str, int, int, list
         model = _model(kind)
         numel = sum(p.numel() for p in model.parameters())
         inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        path = root if tier == "nvme" else None
+        path = root if "nvme" in (tier, *extra.values()) else None
         config = offload_config(stage, precision, tier, path=path, ring_buckets=2, **extra)
         model, opt = zerodp.initialize(model, inner, config)
         rank, world = rank_world()
@@ -303,8 +305,8 @@ def test_a_full_disk_in_a_step_is_named_and_the_last_checkpoint_loads(world, tmp
 
 ADOPTION = (
     "zerodp: adding trainable parameters after initialize (unfreezing them, add_param_group) is "
-    "not supported with ZeroConfig.offload.optimizer='nvme' yet: make them trainable before "
-    "zerodp.initialize, or use optimizer='cpu'"
+    "not supported with the NVMe tier (ZeroConfig.offload.optimizer='nvme' or gradients='nvme') "
+    "yet: make them trainable before zerodp.initialize, or keep those on 'cpu' / 'device'"
 )
 
 

@@ -90,6 +90,17 @@ def test_nvme_tiers_take_the_offload_dir() -> None:
     assert o.zero_config(3, param_bytes=10**9).offload == o.offload_config()
 
 
+def test_gradients_on_nvme_at_stage_3() -> None:
+    o = _parse(
+        "--stage", "3", "--offload-optimizer", "cpu", "--offload-gradients", "nvme",
+        "--offload-dir", "/scratch/z",
+    )  # fmt: skip
+    want = OffloadConfig(optimizer="cpu", gradients="nvme", path="/scratch/z")
+    assert o.offload_gradients == "nvme" and o.offload_config() == want
+    assert o.zero_config(3, param_bytes=10**9).offload == want
+    assert _parse("--stage", "3").offload_gradients == "device"
+
+
 def test_params_cpu_at_stage_3() -> None:
     o = _parse("--stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu")
     want = OffloadConfig(optimizer="cpu", params="cpu")
@@ -114,6 +125,12 @@ def test_zero_config_keeps_the_bucket_rule() -> None:
 # -- usage errors: ZeroConfig's message, before any rank starts ---------------------------------
 
 
+STAGE_2_GRADIENTS_ON_NVME = [
+    "--stage", "2", "--offload-optimizer", "cpu", "--offload-gradients", "nvme",
+    "--offload-dir", "/d",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -135,19 +152,24 @@ def test_zero_config_keeps_the_bucket_rule() -> None:
         (
             ["--offload-dir", "/d"],
             "ZeroConfig.offload.path='/d' is only used by the 'nvme' tier, but "
-            "ZeroConfig.offload.optimizer='none' and ZeroConfig.offload.params='none': drop it "
-            "or choose 'nvme'",
+            "ZeroConfig.offload.optimizer='none', ZeroConfig.offload.params='none' and "
+            "ZeroConfig.offload.gradients='device': drop it or choose 'nvme'",
         ),
         (
             ["--offload-optimizer", "cpu", "--offload-dir", "/d"],
             "ZeroConfig.offload.path='/d' is only used by the 'nvme' tier, but "
-            "ZeroConfig.offload.optimizer='cpu' and ZeroConfig.offload.params='none': drop it "
-            "or choose 'nvme'",
+            "ZeroConfig.offload.optimizer='cpu', ZeroConfig.offload.params='none' and "
+            "ZeroConfig.offload.gradients='device': drop it or choose 'nvme'",
         ),
         (
             ["--offload-optimizer", "nvme"],
             "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a "
             "local disk for the offloaded state",
+        ),
+        (
+            STAGE_2_GRADIENTS_ON_NVME,
+            "ZeroConfig.offload.gradients='nvme' needs stage 3 (stages 1-2 keep their gradients "
+            "where the backward writes them); got stage 2",
         ),
     ],
 )
@@ -185,13 +207,23 @@ def test_bad_combinations_exit_with_zeroconfigs_message(
             # The stage-independent rules keep ZeroConfig's message.
             ["--offload-dir", "/d"],
             "ZeroConfig.offload.path='/d' is only used by the 'nvme' tier, but "
-            "ZeroConfig.offload.optimizer='none' and ZeroConfig.offload.params='none': drop it "
-            "or choose 'nvme'",
+            "ZeroConfig.offload.optimizer='none', ZeroConfig.offload.params='none' and "
+            "ZeroConfig.offload.gradients='device': drop it or choose 'nvme'",
         ),
         (
             ["--offload-params", "nvme"],
             "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a "
             "local disk for the offloaded state",
+        ),
+        (
+            ["--offload-optimizer", "nvme", "--offload-gradients", "nvme", "--offload-dir", "/d"],
+            "--offload-optimizer nvme needs stage 1, 2 or 3, but --compare-stages also trains "
+            "stage 0: drop --offload-optimizer or --compare-stages",
+        ),
+        (
+            ["--offload-gradients", "nvme", "--offload-dir", "/d"],
+            "--offload-gradients nvme needs stage 3, but --compare-stages also trains stages 0, "
+            "1 and 2: drop --offload-gradients or --compare-stages",
         ),
     ],
 )

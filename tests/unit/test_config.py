@@ -226,7 +226,9 @@ NON_DEFAULT = ZeroConfig(
         persist_numel=100,
         check_unit_order=False,
     ),
-    offload=OffloadConfig(optimizer="nvme", params="nvme", path="/tmp/zerodp", ring_buckets=2),
+    offload=OffloadConfig(
+        optimizer="nvme", params="nvme", gradients="nvme", path="/tmp/zerodp", ring_buckets=2
+    ),
 )
 
 

@@ -43,6 +43,15 @@ def _message(make: Callable[[], object]) -> str:
             {"params": "disk"},
             "ZeroConfig.offload.params must be one of 'none', 'cpu', 'nvme'; got 'disk'",
         ),
+        (
+            {"gradients": "cpu"},
+            "ZeroConfig.offload.gradients must be one of 'device', 'nvme'; got 'cpu'",
+        ),
+        (
+            {"optimizer": "cpu", "gradients": "nvme"},
+            "ZeroConfig.offload.path is required by the 'nvme' tier: give a directory on a "
+            "local disk for the offloaded state",
+        ),
         ({"ring_buckets": 0}, "ZeroConfig.offload.ring_buckets must be a positive integer; got 0"),
         (
             {"ring_buckets": -1},
@@ -77,14 +86,14 @@ def _message(make: Callable[[], object]) -> str:
         (
             {"path": "/x"},
             "ZeroConfig.offload.path='/x' is only used by the 'nvme' tier, but "
-            "ZeroConfig.offload.optimizer='none' and ZeroConfig.offload.params='none': drop it "
-            "or choose 'nvme'",
+            "ZeroConfig.offload.optimizer='none', ZeroConfig.offload.params='none' and "
+            "ZeroConfig.offload.gradients='device': drop it or choose 'nvme'",
         ),
         (
             {"optimizer": "cpu", "params": "cpu", "path": "/x"},
             "ZeroConfig.offload.path='/x' is only used by the 'nvme' tier, but "
-            "ZeroConfig.offload.optimizer='cpu' and ZeroConfig.offload.params='cpu': drop it "
-            "or choose 'nvme'",
+            "ZeroConfig.offload.optimizer='cpu', ZeroConfig.offload.params='cpu' and "
+            "ZeroConfig.offload.gradients='device': drop it or choose 'nvme'",
         ),
     ],
 )
@@ -94,7 +103,7 @@ def test_offload_config_rules(kwargs: dict[str, Any], message: str) -> None:
 
 def test_valid_offload_configs() -> None:
     assert OffloadConfig() == OffloadConfig(
-        optimizer="none", params="none", path=None, ring_buckets=4
+        optimizer="none", params="none", gradients="device", path=None, ring_buckets=4
     )
     assert not OffloadConfig().optimizer_offloaded and not OffloadConfig().params_offloaded
     cpu = OffloadConfig(optimizer="cpu", ring_buckets=1)
@@ -170,6 +179,31 @@ def test_params_offload_needs_the_optimizer_offloaded(tier: str) -> None:
         assert ZeroConfig(stage=3, offload=both).offload is both
 
 
+GRADIENTS_BELOW_STAGE_3 = (
+    "ZeroConfig.offload.gradients='nvme' needs stage 3 (stages 1-2 keep their gradients where "
+    "the backward writes them); got stage {stage}"
+)
+GRADIENTS_ALONE = (
+    "ZeroConfig.offload.gradients='nvme' needs the optimizer offloaded too: set "
+    "ZeroConfig.offload.optimizer to 'cpu' or 'nvme' (the offloaded step is what reads the "
+    "gradients back from the files)"
+)
+
+
+def test_gradients_on_nvme_need_stage_3_and_the_optimizer_offloaded() -> None:
+    for optimizer in ("cpu", "nvme"):
+        offload = OffloadConfig(optimizer=optimizer, gradients="nvme", path="/x")
+        assert offload.gradients_offloaded and not OffloadConfig().gradients_offloaded
+        for stage in (1, 2):
+            expected = GRADIENTS_BELOW_STAGE_3.format(stage=stage)
+            assert _message(partial(ZeroConfig, stage=stage, offload=offload)) == expected
+        assert ZeroConfig(stage=3, offload=offload).offload is offload
+    alone = OffloadConfig(gradients="nvme", path="/x")
+    assert _message(partial(ZeroConfig, stage=3, offload=alone)) == GRADIENTS_ALONE
+    plain = {"gradients": "nvme", "path": "/x"}
+    assert _message(lambda: ZeroConfig.from_dict({"stage": 3, "offload": plain})) == GRADIENTS_ALONE
+
+
 def test_optimizer_rule_is_checked_before_the_params_rule() -> None:
     both = OffloadConfig(optimizer="cpu", params="cpu")
     assert _message(lambda: check_offload_stage(both, 0)) == OPTIMIZER_AT_STAGE_0.format(tier="cpu")
@@ -186,14 +220,14 @@ def test_without_offload_every_stage_is_accepted() -> None:
 
 # -- the dict and JSON form ---------------------------------------------------------------------
 
-NVME = {"optimizer": "nvme", "params": "nvme", "path": "/x"}
+NVME = {"optimizer": "nvme", "params": "nvme", "gradients": "nvme", "path": "/x"}
 
 
 def test_from_dict_nested_offload_and_round_trip(tmp_path: Path) -> None:
     config = ZeroConfig.from_dict({"stage": 3, "offload": dict(NVME)})
     assert config.stage == 3
     assert config.offload == OffloadConfig(
-        optimizer="nvme", params="nvme", path="/x", ring_buckets=4
+        optimizer="nvme", params="nvme", gradients="nvme", path="/x", ring_buckets=4
     )
     d = config.to_dict()
     assert d["offload"] == {**NVME, "ring_buckets": 4}
@@ -213,7 +247,7 @@ def test_unknown_offload_field_is_refused() -> None:
     values = {"stage": 2, "offload": {"optimiser": "cpu", "pin_memory": True}}
     assert _message(lambda: ZeroConfig.from_dict(values)) == (
         "ZeroConfig.offload got unknown field(s) ['optimiser', 'pin_memory']; allowed fields: "
-        "['optimizer', 'params', 'path', 'ring_buckets']"
+        "['gradients', 'optimizer', 'params', 'path', 'ring_buckets']"
     )
 
 

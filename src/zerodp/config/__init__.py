@@ -6,7 +6,7 @@
 ``legacy.py``: the flat names of 0.1, deprecated ([Note: flat names]).
 """
 
-from zerodp.config.offload import TIERS, OffloadConfig
+from zerodp.config.offload import GRADIENT_TIERS, TIERS, OffloadConfig
 from zerodp.config.policies import (
     NONFINITE,
     PRECISIONS,
@@ -18,6 +18,7 @@ from zerodp.config.policies import (
 from zerodp.config.zero import STAGES, STEP_WITHOUT_BACKWARD, ZeroConfig
 
 __all__ = [
+    "GRADIENT_TIERS",
     "NONFINITE",
     "PRECISIONS",
     "REDUCE_DTYPES",

@@ -15,6 +15,7 @@ from zerodp.config.checks import check_choice, check_positive_int, field_path
 from zerodp.config.nesting import Policy
 
 TIERS = ("none", "cpu", "nvme")
+GRADIENT_TIERS = ("device", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +35,14 @@ class OffloadConfig(Policy):
     ``"nvme"`` in a file under ``path``; the device then holds only the units gathered now.
     Needs ``optimizer`` offloaded too (the step writes the updates into the shards' home)."""
 
+    gradients: str = "device"
+    """Stage 3: where this rank's reduced gradient shard waits for the step. ``"device"``: in
+    memory on the device (the compute dtype, Ψ/N elements). ``"nvme"`` (ZeRO-Infinity): each
+    reduce-scatter's result is written to a file under ``path`` as it arrives during backward
+    and read back chunk by chunk by the offloaded step, so the device holds no gradient shard
+    at all. Exact, except that ``clip_grad_norm_`` sums the norm in a different order (within
+    fp32 rounding). Needs ``optimizer`` offloaded (the step that reads them runs on the host)."""
+
     path: str | None = None
     """Directory for the ``"nvme"`` tier's files (one per rank and tensor group, private to the
     run, removed at exit). Required by ``"nvme"`` and refused otherwise."""
@@ -45,8 +54,9 @@ class OffloadConfig(Policy):
     def __post_init__(self) -> None:
         check_choice(self, "optimizer", TIERS)
         check_choice(self, "params", TIERS)
+        check_choice(self, "gradients", GRADIENT_TIERS)
         check_positive_int(self, "ring_buckets")
-        nvme = "nvme" in (self.optimizer, self.params)
+        nvme = "nvme" in (self.optimizer, self.params, self.gradients)
         if self.path is not None and not isinstance(self.path, str):
             raise ValueError(f"{field_path(self, 'path')} must be a directory; got {self.path!r}")
         if nvme and not self.path:
@@ -57,8 +67,9 @@ class OffloadConfig(Policy):
         if self.path is not None and not nvme:
             raise ValueError(
                 f"{field_path(self, 'path')}={self.path!r} is only used by the 'nvme' tier, "
-                f"but {field_path(self, 'optimizer')}={self.optimizer!r} and "
-                f"{field_path(self, 'params')}={self.params!r}: drop it or choose 'nvme'"
+                f"but {field_path(self, 'optimizer')}={self.optimizer!r}, "
+                f"{field_path(self, 'params')}={self.params!r} and "
+                f"{field_path(self, 'gradients')}={self.gradients!r}: drop it or choose 'nvme'"
             )
 
     @property
@@ -68,6 +79,10 @@ class OffloadConfig(Policy):
     @property
     def params_offloaded(self) -> bool:
         return self.params != "none"
+
+    @property
+    def gradients_offloaded(self) -> bool:
+        return self.gradients != "device"
 
 
 def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
@@ -89,4 +104,15 @@ def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
             f"too: set {field_path(offload, 'optimizer')} to 'cpu' or 'nvme' (the step writes "
             "the updates into the shards' home; fp32 masters on the device would also take more "
             "memory than the parameters offloaded)"
+        )
+    if offload.gradients_offloaded and stage != 3:
+        raise ValueError(
+            f"{field_path(offload, 'gradients')}={offload.gradients!r} needs stage 3 (stages "
+            f"1-2 keep their gradients where the backward writes them); got stage {stage}"
+        )
+    if offload.gradients_offloaded and not offload.optimizer_offloaded:
+        raise ValueError(
+            f"{field_path(offload, 'gradients')}={offload.gradients!r} needs the optimizer "
+            f"offloaded too: set {field_path(offload, 'optimizer')} to 'cpu' or 'nvme' (the "
+            "offloaded step is what reads the gradients back from the files)"
         )

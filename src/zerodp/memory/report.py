@@ -60,6 +60,9 @@ class MemoryReport:
     # in a file counted in ``nvme`` ("nvme", whose read ring is in ``host_buffers``).
     params_offload: str = "none"
     host_parameters: int = 0
+    # Gradient offload (stage 3, ZeroConfig.offload.gradients="nvme"): ``gradients`` is 0, the
+    # shards are in a file counted in ``nvme`` (its ring in ``host_buffers``).
+    gradients_offload: str = "device"
 
     @property
     def model_states(self) -> int:
@@ -98,7 +101,7 @@ class MemoryReport:
         )
         rows: list[tuple[str, int, str]] = [
             ("parameters", self.parameters, self._params_note(theory)),
-            ("gradients", self.gradients, _theory_note(theory.get("gradients"))),
+            ("gradients", self.gradients, self._grads_note(theory)),
             (
                 "optimizer state",
                 self.optimizer_state,
@@ -148,12 +151,18 @@ class MemoryReport:
             what = [
                 *(["masters and optimizer state"] if self.offload == "nvme" else []),
                 *(["parameter shards"] if self.params_offload == "nvme" else []),
+                *(["gradient shards"] if self.gradients_offload == "nvme" else []),
             ]
             rows.append(("nvme", self.nvme, " and ".join(what) + ", files in offload.path"))
         lines = [head]
         for label, value, note in rows:
             lines.append(f"  {label:<18}{value:>16,} B {value / 2**20:>10.3f} MiB   {note}")
         return "\n".join(lines)
+
+    def _grads_note(self, theory: dict[str, Any]) -> str:
+        if self.gradients_offload == "device":
+            return _theory_note(theory.get("gradients"))
+        return "none in memory: the owned gradient shards are on NVMe"
 
     def _params_note(self, theory: dict[str, Any]) -> str:
         if self.params_offload == "none":
@@ -199,6 +208,7 @@ class Holdings:
     host: dict[str, int] = field(default_factory=dict)  # MemoryReport's host_* fields
     params_offload: str = "none"
     params_home: dict[str, int] = field(default_factory=dict)  # host_parameters, nvme
+    gradients_offload: str = "device"
 
 
 def measure(held: Holdings) -> MemoryReport:
@@ -221,6 +231,7 @@ def measure(held: Holdings) -> MemoryReport:
         theory=_theory(held),
         offload=held.offload,
         params_offload=held.params_offload,
+        gradients_offload=held.gradients_offload,
         **held.stage3,
         **_tiers(held.host, held.params_home),
     )

@@ -10,9 +10,11 @@ from functools import partial
 import torch
 
 from zerodp.offload.chunks import chunk_numel, split_pieces
+from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.home import ShardHome
 from zerodp.offload.landing import Landing
 from zerodp.offload.runner import OffloadStep
+from zerodp.offload.spill_check import SpillCheck
 from zerodp.offload.swap import SwapStore
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import OptimPiece
@@ -35,15 +37,17 @@ def offload_step(
     segments: list[Segment],
     pieces: list[OptimPiece],
     masters: Masters,
-    device: StepRunner,
     landing: Landing,
     order: list[tuple[int, int]],
     optimizer: torch.optim.Optimizer,
     home: ShardHome | None,
+    spill: GradSpill | None,
+    check: Callable[[], StepRunner] | None,
 ) -> OffloadStep:
-    """``device``: the runner built over the *uncut* pieces, which checks and clips on the
-    device exactly as without offload (a norm summed over other pieces would round
-    differently)."""
+    """``check``: builds the device runner over the *uncut* pieces, which checks and clips on
+    the device exactly as without offload (a norm summed over other pieces would round
+    differently); with the gradients on NVMe (``spill``) there is nothing on the device, and
+    ``SpillCheck`` answers from the spill instead."""
     swap: Callable[..., SwapStore] | None = None
     if plan.offload_optimizer == "nvme":
         assert plan.offload_path is not None
@@ -57,6 +61,11 @@ def offload_step(
             masters=masters,
             slots=plan.offload_ring,
         )
+    if spill is not None:
+        device: StepRunner = SpillCheck(spill, landing.streams.device)
+    else:
+        assert check is not None
+        device = check()
     chunk = chunk_numel(plan.bucket_bytes)
     args = (segments, pieces, masters, device, landing, order, plan.offload_ring, chunk)
-    return OffloadStep(*args, swap, home)
+    return OffloadStep(*args, swap, home, spill)

@@ -8,9 +8,10 @@ from zerodp.plan import Plan
 
 def refuse_adoption(plan: Plan) -> None:
     """Before anything changes: new trainable parameters would need the NVMe files relaid."""
-    if plan.offload_optimizer == "nvme":
+    if plan.offload_optimizer == "nvme" or plan.offload_gradients:
         raise NotImplementedError(
             "zerodp: adding trainable parameters after initialize (unfreezing them, "
-            "add_param_group) is not supported with ZeroConfig.offload.optimizer='nvme' yet: "
-            "make them trainable before zerodp.initialize, or use optimizer='cpu'"
+            "add_param_group) is not supported with the NVMe tier "
+            "(ZeroConfig.offload.optimizer='nvme' or gradients='nvme') yet: make them trainable "
+            "before zerodp.initialize, or keep those on 'cpu' / 'device'"
         )

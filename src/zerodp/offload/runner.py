@@ -45,6 +45,7 @@ import torch
 
 from zerodp.comm import Communicator
 from zerodp.offload.chunks import HostChunk, host_chunks
+from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.home import ShardHome
 from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
@@ -75,6 +76,7 @@ class OffloadStep:
         chunk: int,
         swap: Callable[[list[HostChunk]], SwapStore] | None = None,
         home: ShardHome | None = None,
+        spill: GradSpill | None = None,
     ) -> None:
         self.segments = segments
         self.pieces = pieces
@@ -91,7 +93,9 @@ class OffloadStep:
         self._grad_slot = largest  # elements per gradient ring slot
         grad_numel = largest * slots if self.grad_slots else offset
         self.host_grad = torch.empty(grad_numel, dtype=torch.float32)
-        self.incoming = TransferRing(self.streams, slots, largest)
+        # Gradients on NVMe ([Note: gradients on NVMe]) are read into the incoming slots.
+        self.spill = spill
+        self.incoming = TransferRing(self.streams, slots, largest, aligned=spill is not None)
         # Stage 3's offloaded shards take the updates instead of the device ([Note: offloaded
         # parameters] in home.py); on NVMe through these slots, written with O_DIRECT.
         self.home = home
@@ -141,13 +145,13 @@ class OffloadStep:
     @property
     def host_nbytes(self) -> dict[str, int]:
         """Host memory besides the masters and optimizer state: gradient and rings."""
-        swap = self.swap
+        stores = [part for part in (self.swap, self.spill) if part is not None]
         return {
             "host_gradients": self.host_grad.numel() * self.host_grad.element_size(),
             "host_buffers": self.incoming.nbytes
             + self.outgoing.nbytes
-            + (swap.host_nbytes if swap else 0),
-            "nvme": swap.nvme_nbytes if swap else 0,
+            + sum(part.host_nbytes for part in stores),
+            "nvme": sum(part.nvme_nbytes for part in stores),
         }
 
     # -- the pipeline ----------------------------------------------------------------------------
@@ -164,6 +168,8 @@ class OffloadStep:
             self.swap.wait()
         if self.home is not None:  # what it read ahead is about to change
             self.home.invalidate()
+        if self.spill is not None:  # every gradient on its file before the reads
+            self.spill.settle()
         index = [
             j for j, c in enumerate(self.chunks) if any(self._used(k, used) for k, _, _ in c.pieces)
         ]
@@ -213,6 +219,8 @@ class _StepRun:
         if runner.swap is not None:  # worker threads start on first use: only on NVMe
             self.reader = streams.host("offload-read")
             self.writer = streams.host("offload-write")
+        if runner.spill is not None:
+            self.grad_reader = streams.host("offload-grad-read")
 
     def start(self) -> Event:
         """Queue every chunk; the event of the last unpack (all gradients on the host)."""
@@ -235,6 +243,10 @@ class _StepRun:
 
     def _fetch(self, k: int) -> Event:
         c = self.work[k]
+        spill = self.r.spill
+        if spill is not None:  # from the file: at the chunk's place in its region
+            read = partial(spill.read, c.seg, c.bucket, c.start, c.numel, self.r.incoming.raw(k))
+            return self.grad_reader.submit(read)
         src = c.of(self.grads.grad_storage(c.seg))
         slot = self.r.incoming.view(k, c.numel, src.dtype)
         return self.d2h.submit(partial(slot.copy_, src, non_blocking=True), uses=[src])

@@ -16,6 +16,7 @@ from torch import nn
 
 from zerodp.comm import Communicator
 from zerodp.config import Stage3
+from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.home import ShardHome
 from zerodp.params.access import guard_parameters
 from zerodp.params.build import Builder, InitFn, Named
@@ -53,6 +54,7 @@ class ShardedParams:
     grads: ShardedGrads | None
     schedule: Schedule | None
     home: ShardHome | None  # where the unit shards rest, when offloaded (ParamSync sets it)
+    spill: GradSpill | None  # where the gradient shards wait, when offloaded (ParamSync sets it)
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class ShardedParams:
         self.grads = None
         self.schedule = None
         self.home = None
+        self.spill = None
 
     def _sharded(self, i: int) -> ShardedSegment:
         seg = self.segments[i]
@@ -134,7 +137,9 @@ class ShardedParams:
             check_ids[i] = len(self.units) + k
         # Reduce-scatters of at most one bucket each ([Note: stage-3 reduce chunks]).
         chunks = [self.plan.bucket_numel(s.dtype) for s in self.segments]
-        return ShardedGrads(self.segments, self.comm, self.check, check_ids, reduce_dtype, chunks)
+        return ShardedGrads(
+            self.segments, self.comm, self.check, check_ids, reduce_dtype, chunks, spill=self.spill
+        )
 
     def adopt(self, new_ids: list[int], reduce_dtype: torch.dtype | None) -> ShardedGrads:
         """Segments ``new_ids`` (already appended to ``segments``: parameters unfrozen after

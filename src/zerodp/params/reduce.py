@@ -19,6 +19,9 @@ other, so one plain equal-chunk reduce-scatter of the staging buffer lands the k
 every rank's shard gradient in place. The chunks of a unit partition its padded flat space, so
 the traffic is the same as one reduce-scatter of the whole unit (only the number of calls
 grows); a unit no larger than a chunk is one reduce-scatter, as before.
+With the gradient shards on NVMe ([Note: gradients on NVMe] in offload/grad_spill.py) every run
+is also a whole number of ALIGN (4096) elements per rank but the last of a bucket, so each one
+starts at an aligned place in the file; a small model's runs are then larger than a bucket.
 
 A launch copies a chunk's gradients into a staging buffer in the reduce dtype (zeros for
 parameters without one), frees ``param.grad`` once every element of it was copied, and
@@ -29,6 +32,7 @@ numerics match stages 0-2 bit for bit.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 
 import torch
@@ -36,6 +40,8 @@ import torch
 from zerodp.comm import Communicator
 from zerodp.grads.inflight import InFlight
 from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range
+from zerodp.offload.grad_spill import GradSpill
+from zerodp.offload.swapfile import ALIGN
 from zerodp.params.order import Op, OrderCheck
 from zerodp.partition.buffers import OwnedStorage, ShardBuffer
 from zerodp.partition.layout import FlatLayout, Range
@@ -54,8 +60,10 @@ class ShardedGrads:
         reduce_dtype: torch.dtype | None,
         chunk_numels: list[int] | None = None,  # per segment: most elements per reduce-scatter
         staging_buffers: int = 2,
+        spill: GradSpill | None = None,
     ) -> None:
         self.segments = segments
+        self.spill = spill  # [Note: gradients on NVMe]: no shard in memory
         self.comm = comm
         self.check = check
         self.check_ids = check_ids
@@ -65,21 +73,27 @@ class ShardedGrads:
         # Not zero-filled: the first reduce-scatter of a round writes every element (see
         # ``_has_data``), and nothing reads a shard before that. So they cost no memory until
         # the first backward (a model built only for inference never touches them).
+        where = [torch.device("meta") if spill else s.device for s in segments]
         self.shard_grads = [
-            torch.empty(s.layout.shard_numel, dtype=s.dtype, device=s.device) for s in segments
+            torch.empty(s.layout.shard_numel, dtype=s.dtype, device=d)
+            for s, d in zip(segments, where, strict=True)
         ]
         self._storages: list[OwnedStorage] = [
             ShardBuffer(t, s.layout, comm.rank)
             for t, s in zip(self.shard_grads, segments, strict=True)
         ]
         # Per segment: (bucket, offset in the rank's slice of it, elements per rank) of every
-        # reduce-scatter; see [Note: stage-3 reduce chunks].
+        # reduce-scatter; see [Note: stage-3 reduce chunks]. On NVMe every run starts at a
+        # whole number of ALIGN elements: an aligned place in the file.
+        granule = ALIGN if spill else 1
         self._chunks = [
-            chunk_plan(s.layout, chunk_numels[i] if chunk_numels else None)
+            chunk_plan(s.layout, chunk_numels[i] if chunk_numels else None, granule)
             for i, s in enumerate(segments)
         ]
         self._stops = [[slot.flat.stop for slot in s.layout.slots] for s in segments]
         numels = [n * self.world for plan in self._chunks for _, _, n in plan]
+        if spill is not None:
+            spill.reserve(max(numels, default=0) // self.world)
         self._inflight = InFlight(
             staging_pool(numels, self.world, segments, reduce_dtype, staging_buffers)
         )
@@ -120,6 +134,9 @@ class ShardedGrads:
         lay = self.segments[seg_id].layout
         staging = self._inflight.acquire(numel * self.world, self.world)
         self._fill(seg_id, b, offset, numel, staging, left)
+        if self.spill is not None:
+            self._launch_spilled(seg_id, b, offset, staging)
+            return
         start = lay.buckets[b].shard_offset + offset
         handle, average = reduce_scatter_into(
             self.comm,
@@ -129,6 +146,22 @@ class ShardedGrads:
             convert=self._convert[seg_id],
         )
         self._inflight.push(handle, average, staging)
+
+    def _launch_spilled(self, seg_id: int, b: int, offset: int, staging: torch.Tensor) -> None:
+        """The reduction lands in this rank's chunk of the staging buffer, averaged there and
+        handed to the spill: the ops of ``reduce_scatter_into`` when it accumulates."""
+        spill = self.spill
+        assert spill is not None
+        numel = staging.numel() // self.world
+        own = staging.narrow(0, self.comm.rank * numel, numel)
+        handle = self.comm.reduce_scatter(own, staging, async_op=True)
+        accumulate = self._has_data[seg_id][b]
+
+        def land() -> None:
+            own.div_(self.world)
+            spill.land((seg_id, b, offset), own, accumulate=accumulate)
+
+        self._inflight.push(handle, land, staging)
 
     def _fill(
         self,
@@ -206,6 +239,8 @@ class ShardedGrads:
         self.used = [[False] * len(s.params) for s in self.segments]
         self.rounds = 0
         self._averaged = False
+        if self.spill is not None:
+            self.spill.zero_grad()
 
     def grad_storage(self, seg: int) -> OwnedStorage:
         return self._storages[seg]
@@ -214,18 +249,21 @@ class ShardedGrads:
         return self._inflight.staging_bytes
 
     def gradient_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.shard_grads)
+        """In memory (on NVMe: none; the file is the spill's)."""
+        return sum(t.numel() * t.element_size() for t in self.shard_grads if not t.is_meta)
 
     def remove_hooks(self) -> None:
         """Hooks are owned by the schedule (``ShardedParams.remove``)."""
 
 
-def chunk_plan(layout: FlatLayout, chunk_numel: int | None) -> list[tuple[int, int, int]]:
+def chunk_plan(
+    layout: FlatLayout, chunk_numel: int | None, granule: int = 1
+) -> list[tuple[int, int, int]]:
     """The reduce-scatters of one segment, as (bucket, offset in each rank's slice of it,
     elements per rank): each bucket cut into runs of at most ``chunk_numel // N`` elements per
-    rank (rounded down to the alignment; None: whole buckets). See
-    [Note: stage-3 reduce chunks]."""
-    n, align = layout.world_size, layout.align
+    rank (rounded down to the alignment and to ``granule`` elements, but at least one of
+    those; None: whole buckets). See [Note: stage-3 reduce chunks]."""
+    n, align = layout.world_size, math.lcm(layout.align, granule)
     out: list[tuple[int, int, int]] = []
     for bucket in layout.buckets:
         size, b = bucket.shard_numel, bucket.index

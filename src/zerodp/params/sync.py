@@ -23,6 +23,7 @@ from zerodp.comm import Communicator
 from zerodp.config import ZeroConfig
 from zerodp.grads.reducer import GradReducer
 from zerodp.grads.sync import GradSync
+from zerodp.offload.grad_spill import GradSpill, make_spill
 from zerodp.offload.home import ShardHome, make_home, resident
 from zerodp.offload.landing import Landing
 from zerodp.optim.masters import Masters
@@ -87,6 +88,10 @@ class ParamSync(Protocol):
     def home(self) -> ShardHome | None:
         """Where stage 3's unit shards rest when offloaded (``attach_landing`` made it)."""
 
+    @property
+    def spill(self) -> GradSpill | None:
+        """Where stage 3's gradient shards wait on NVMe ([Note: gradients on NVMe])."""
+
     def home_bytes(self) -> dict[str, int]:
         """Host and NVMe bytes of offloaded parameters, named as ``MemoryReport``'s fields."""
 
@@ -150,6 +155,10 @@ class ReplicatedParams:
 
     @property
     def home(self) -> None:
+        return None
+
+    @property
+    def spill(self) -> None:
         return None
 
     def home_bytes(self) -> dict[str, int]:
@@ -226,10 +235,15 @@ class ShardedParamSync:
         units = [s for u in sharded.units for s in u.segments]
         sharded.home = make_home(self.plan, landing, units, sharded.comm.rank)
         sharded.gatherer.home = sharded.home
+        sharded.spill = make_spill(self.plan, landing.streams, self.segments, sharded.comm.rank)
 
     @property
     def home(self) -> ShardHome | None:
         return self.sharded.home
+
+    @property
+    def spill(self) -> GradSpill | None:
+        return self.sharded.spill
 
     def home_bytes(self) -> dict[str, int]:
         home = self.sharded.home
@@ -259,6 +273,8 @@ class ShardedParamSync:
                 h.remove()
         if self.sharded.home is not None:
             self.sharded.home.close()
+        if self.sharded.spill is not None:
+            self.sharded.spill.close()
 
 
 def _publish(gather: DeferredGather, masters: Masters, plan: Plan, written: bool) -> None:

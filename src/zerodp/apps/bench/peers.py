@@ -234,15 +234,16 @@ def _build_zro(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer
 
 
 def _build_zerodp(
-    stage: int, offload: str = "none", params: str = "none"
+    stage: int, offload: str = "none", params: str = "none", gradients: str = "device"
 ) -> Callable[[nn.Module, RankInfo, BenchOptions], Peer]:
     def build(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
         import zerodp
 
-        nvme = "nvme" in (offload, params)
+        nvme = "nvme" in (offload, params, gradients)
         tiers = zerodp.OffloadConfig(
             optimizer=offload,
             params=params,
+            gradients=gradients,
             path=options.offload_dir if nvme else None,
             ring_buckets=options.ring_buckets,
         )
@@ -291,7 +292,7 @@ BUILDERS: dict[str, Callable[[nn.Module, RankInfo, BenchOptions], Peer]] = {
     "zro": _build_zro,
     **{f"zero{s}": _build_zerodp(s) for s in range(4)},
     **{f"zero{s}-offload": _build_zerodp(s, "cpu") for s in (2, 3)},
-    "zero3-infinity": _build_zerodp(3, "nvme", "nvme"),
+    "zero3-infinity": _build_zerodp(3, "nvme", "nvme", "nvme"),
     "fsdp2": _build_fsdp2(True),
     "fsdp2-noreshard": _build_fsdp2(False),
     **{f"deepspeed{s}": _build_deepspeed(s) for s in (1, 2, 3)},

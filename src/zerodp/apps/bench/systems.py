@@ -88,11 +88,12 @@ SYSTEMS: tuple[System, ...] = (
     System(
         "zero3-infinity",
         "zerodp",
-        "zerodp stage 3, parameters and optimizer state on NVMe (ZeRO-Infinity)",
+        "zerodp stage 3, parameters, gradients and optimizer state on NVMe (ZeRO-Infinity)",
         3,
         3,
         3,
-        "as stage 3; shards and optimizer state in files (offload params='nvme', optimizer='nvme')",
+        "as stage 3; shards, gradient shards and optimizer state in files (offload "
+        "params/gradients/optimizer='nvme')",
         sharded_init=True,
     ),
     System(

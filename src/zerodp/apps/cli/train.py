@@ -30,7 +30,7 @@ from zerodp.apps.train.options import (
     TrainOptions,
     under_torchrun,
 )
-from zerodp.config import PRECISIONS, STAGES, TIERS, OffloadConfig, ZeroConfig
+from zerodp.config import GRADIENT_TIERS, PRECISIONS, STAGES, TIERS, OffloadConfig, ZeroConfig
 
 _DEFAULTS = TrainOptions()
 
@@ -74,6 +74,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         choices=TIERS,
         default=d.offload_params,
         help="stage 3: where the parameter shards rest between uses (default %(default)s)",
+    )
+    zero.add_argument(
+        "--offload-gradients",
+        choices=GRADIENT_TIERS,
+        default=d.offload_gradients,
+        help="stage 3 with the optimizer offloaded: where the reduced gradient shards wait for "
+        "the step; nvme = written as backward produces them (default %(default)s)",
     )
     zero.add_argument(
         "--offload-dir",
@@ -173,6 +180,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         bucket_mb=args.bucket_mb,
         offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params,
+        offload_gradients=args.offload_gradients,
         offload_dir=args.offload_dir,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -203,9 +211,14 @@ def _check_offload_compares(options: TrainOptions) -> None:
     """``--compare-stages`` trains every stage: an offload flag that one of them cannot take is
     refused here, naming the flag and those stages (``ZeroConfig`` decides which can)."""
     offload = options.offload_config()  # its own rules first (--offload-dir), with its message
-    for flag, field in (("--offload-optimizer", "optimizer"), ("--offload-params", "params")):
+    flags = (
+        ("--offload-optimizer", "optimizer"),
+        ("--offload-params", "params"),
+        ("--offload-gradients", "gradients"),
+    )
+    for flag, field in flags:
         tier = getattr(offload, field)
-        if tier == "none":
+        if tier in ("none", "device"):
             continue
         alone = _alone(offload, field)
         takes = [s for s in STAGES if _stage_takes(s, alone)]
@@ -219,16 +232,16 @@ def _check_offload_compares(options: TrainOptions) -> None:
 
 
 def _alone(offload: OffloadConfig, field: str) -> OffloadConfig:
-    """``offload`` with only ``field`` offloaded, as far as the tier rule allows (parameter
-    offload needs the optimizer's: the optimizer's own tier, else "cpu"), to ask which stages
-    take that field."""
-    if field == "optimizer":
-        optimizer, params = offload.optimizer, "none"
-    else:
-        optimizer = offload.optimizer if offload.optimizer_offloaded else "cpu"
-        params = offload.params
-    path = offload.path if "nvme" in (optimizer, params) else None
-    return OffloadConfig(optimizer=optimizer, params=params, path=path)
+    """``offload`` with only ``field`` offloaded, as far as the tier rules allow (parameter and
+    gradient offload need the optimizer's: the optimizer's own tier, else "cpu"), to ask which
+    stages take that field."""
+    optimizer = offload.optimizer
+    if field != "optimizer" and not offload.optimizer_offloaded:
+        optimizer = "cpu"
+    params = offload.params if field == "params" else "none"
+    gradients = offload.gradients if field == "gradients" else "device"
+    path = offload.path if "nvme" in (optimizer, params, gradients) else None
+    return OffloadConfig(optimizer=optimizer, params=params, gradients=gradients, path=path)
 
 
 def _stage_takes(stage: int, offload: OffloadConfig) -> bool:

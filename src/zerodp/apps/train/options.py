@@ -45,6 +45,7 @@ class TrainOptions:
     bucket_mb: float | None = None  # None: see bucket_bytes_for
     offload_optimizer: str = "none"  # ZeroConfig.offload.optimizer
     offload_params: str = "none"  # ZeroConfig.offload.params
+    offload_gradients: str = "device"  # ZeroConfig.offload.gradients
     offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
@@ -63,10 +64,13 @@ class TrainOptions:
         return max(MIN_AUTO_BUCKET_BYTES, min(DEFAULT_BUCKET_BYTES, param_bytes // 8))
 
     def offload_config(self) -> OffloadConfig:
-        """``--offload-optimizer``, ``--offload-params`` and ``--offload-dir``, validated
-        (``ValueError`` with ``OffloadConfig``'s message)."""
+        """``--offload-optimizer``, ``--offload-params``, ``--offload-gradients`` and
+        ``--offload-dir``, validated (``ValueError`` with ``OffloadConfig``'s message)."""
         return OffloadConfig(
-            optimizer=self.offload_optimizer, params=self.offload_params, path=self.offload_dir
+            optimizer=self.offload_optimizer,
+            params=self.offload_params,
+            gradients=self.offload_gradients,
+            path=self.offload_dir,
         )
 
     def zero_config(self, stage: int, param_bytes: int) -> ZeroConfig:
