@@ -58,6 +58,17 @@ def test_cli_json_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert row["bottleneck"] == "cpu adam"
 
 
+def test_cli_gradients_on_nvme(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--offload-gradients nvme`` alone makes the placement stage 3 (its only stage)."""
+    argv = ["--offload", "--params", "1e9", "--offload-optimizer", "nvme"]
+    data = json.loads(_estimate(capsys, *argv, "--offload-gradients", "nvme", "--json"))
+    (row,) = data["rows"]
+    assert row["placement"]["gradients"] == "nvme" and row["placement"]["stage"] == 3
+    assert row["bytes"]["nvme"]["gradients"] == 2e9
+    assert "gradients" not in row["bytes"]["device"]
+    assert row["placement"]["built"] is True
+
+
 def test_cli_offload_flags_need_offload(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["estimate", "--params", "1e9", "--offload-optimizer", "cpu"])

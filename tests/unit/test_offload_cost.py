@@ -104,6 +104,26 @@ def test_nvme_optimizer_keeps_slots_on_the_host_and_the_state_on_disk() -> None:
     }
 
 
+def test_gradients_on_nvme_leave_nothing_on_the_device_but_units() -> None:
+    w = Workload(num_params=1e9, tokens=4096)
+    p = Placement(optimizer="nvme", params="nvme", gradients="nvme", stage=3)
+    b = tier_bytes(w, p)
+    assert b.nvme.as_dict() == {"optimizer state": 12e9, "parameters": 2e9, "gradients": 2e9}
+    assert b.device.get("gradients") == b.device.get("parameters") == 0.0
+    assert b.host.get("gradient spill slots") == 4 * 2 * 16_777_216  # 4 slots of one bucket
+    assert b.host.get("gradient ring") == 4 * 4 * 16_777_216  # the step's fp32 unpack ring
+    assert p.built and p.label() == "optimizer=nvme params=nvme grads=nvme s3"
+
+
+def test_built_offloaded_params_keep_the_gradient_shards_on_the_device() -> None:
+    """As built (``gradients="device"``), the reduced shards wait on the device for the step."""
+    w = Workload(num_params=1e9, tokens=4096, world_size=2)
+    for optimizer in ("cpu", "nvme"):
+        b = tier_bytes(w, Placement(optimizer=optimizer, params="cpu", stage=3))
+        assert b.device.get("gradients") == 2 * 0.5e9
+        assert b.host.get("gradients") == (4 * 0.5e9 if optimizer == "cpu" else 0.0)
+
+
 def test_params_and_part_of_the_optimizer_offloaded() -> None:
     shape = gpt3_shape("1.3B")
     w = Workload.gpt(shape)
@@ -128,6 +148,8 @@ def test_params_and_part_of_the_optimizer_offloaded() -> None:
         Placement(optimizer="nvme", stage=1),
         Placement(optimizer="cpu", params="cpu", optimizer_fraction=0.7, stage=3),
         Placement(optimizer="nvme", params="nvme", stage=3),
+        Placement(optimizer="nvme", params="nvme", gradients="nvme", stage=3),
+        Placement(optimizer="cpu", gradients="nvme", stage=3),
     ],
     ids=lambda p: p.label(),
 )
@@ -170,6 +192,12 @@ def test_placement_rules() -> None:
     assert not Placement(optimizer="cpu", optimizer_fraction=0.5).built
     assert Placement(optimizer="nvme").built
     assert not Placement(optimizer="nvme", optimizer_fraction=0.5).built
+    with pytest.raises(ValueError, match="gradients on NVMe need stage 3"):
+        Placement(optimizer="cpu", gradients="nvme", stage=2)
+    with pytest.raises(ValueError, match="and an offloaded optimizer"):
+        Placement(gradients="nvme", stage=3)
+    with pytest.raises(ValueError, match=r"Placement\.gradients must be one of device, nvme"):
+        Placement(optimizer="cpu", gradients="cpu", stage=3)
     assert not Placement(params="cpu", stage=3).built  # refused without optimizer offload
     assert Placement(optimizer="cpu", params="cpu", stage=3).built
     assert Placement(optimizer="nvme", params="nvme", stage=3).built
@@ -250,6 +278,26 @@ def test_disk_bound_offload() -> None:
     assert t.seconds == pytest.approx(4 + 36 + (2 + 1.5 + 2.5 + 2) / 10 + 0.2)
     assert t.bottleneck == "disk"
     assert t.component("disk read") == 24.0 and t.component("disk write") == 12.0
+
+
+def test_gradients_on_nvme_are_written_in_the_backward_and_read_by_the_step() -> None:
+    # Parameters, optimizer state and gradients on NVMe, 10 units (one per bucket). Backward:
+    # per unit the disk reads the shard (4 s) and writes the reduced gradient (2 s), the
+    # slowest stage: 6 + (h2d 2 + compute 4 + d2h 2) / 10 = 6.8 s. The step: the disk reads
+    # 12 B/param (24 s) and the gradients (4 s), writes 12 B/param (12 s) and the shards (2 s),
+    # and reads the shards for the forward (4 s): 46 s on one drive.
+    p = Placement(optimizer="nvme", params="nvme", gradients="nvme", stage=3)
+    t = predict_step(ROUND, p, _round_machine())
+    assert _path(ROUND, p, _round_machine()) == [
+        ("backward", "disk", 6.8),
+        ("offloaded step", "disk", 46.0),
+    ]
+    assert t.component("disk read") == 24 + 2 * 4 + 4 and t.component("disk write") == 16.0
+    # Without: the gradients wait on the device (6 s less disk, 2 s of d2h in the step).
+    shards = predict_step(
+        ROUND, Placement(optimizer="nvme", params="nvme", stage=3), _round_machine()
+    )
+    assert shards.seconds == pytest.approx(4.6 + 42.0)
 
 
 def test_partial_offload_steps_part_on_the_device() -> None:

@@ -115,6 +115,8 @@ def candidates(
                     continue
                 full = Placement(optimizer=optimizer, params=params, stage=st, checkpointing=ckpt)
                 yield full
+                if st == 3 and allow_nvme:  # the gradient shards off the device too
+                    yield replace(full, gradients="nvme")
                 fraction = smallest_fraction(w, full, m)
                 if fraction is not None and 0 < fraction < 1:
                     yield replace(full, optimizer_fraction=fraction)
@@ -122,9 +124,12 @@ def candidates(
 
 def smallest_fraction(w: Workload, p: Placement, m: Machine) -> float | None:
     """The smallest offloaded fraction (on a 1% grid) at which the device holds the rest, or
-    ``None`` if the device cannot hold even the fully offloaded placement. The device's bytes
-    are affine in the fraction (at f = 1 the built path's layout has the same device bytes)."""
-    at = {f: tier_bytes(w, replace(p, optimizer_fraction=f)).device.total for f in (0.0, 1.0)}
+    ``None`` if the device cannot hold even the fully offloaded design. The design's device
+    bytes are affine in the fraction."""
+    at = {f: tier_bytes(w, replace(p, optimizer_fraction=f)).device.total for f in (0.0, 0.5)}
+    # The partial design's line, extended to f = 1 (the built full offload may keep more on the
+    # device: its gradient shards, with the parameters offloaded).
+    at[1.0] = 2 * at[0.5] - at[0.0]
     room = m.device_usable_bytes
     if at[1.0] > room:
         return None

@@ -125,13 +125,17 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     params_read = shard / read if p.params == "nvme" else 0.0  # one pass
     params_write = shard / write if p.params == "nvme" else 0.0
 
-    # Phase 1: backward. Built, the reduced gradients stay on the device until the step; the
-    # unbuilt design sends each unit's out as soon as it is reduced.
-    grads_in_backward = params_off and not p.built
-    if params_off:
-        stages = [("disk", params_read), ("pcie h2d", units_h2d), ("compute", backward)]
+    grads_nvme = p.gradients == "nvme"  # written in the backward, read by the step
+    grads_write = pb * h / write if grads_nvme else 0.0
+    grads_read = pb * h / read if grads_nvme else 0.0
+
+    # Phase 1: backward. Built, the reduced gradients stay on the device until the step (or go
+    # to NVMe as reduced); the unbuilt design sends each unit's out as soon as it is reduced.
+    grads_in_backward = (params_off and not p.built) or grads_nvme
+    if params_off or grads_nvme:
+        stages = [("disk", params_read + grads_write), ("pcie h2d", units_h2d)]
         out = grads_d2h if grads_in_backward else 0.0
-        back, back_by = pipeline([*stages, ("pcie d2h", out)], w.units)
+        back, back_by = pipeline([*stages, ("compute", backward), ("pcie d2h", out)], w.units)
     else:
         back, back_by = backward, "compute"
 
@@ -155,7 +159,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     # Phase 2, the host's track: the offloaded step, then the forward of the last bucket.
     host_track, host_by = 0.0, "cpu adam"
     if h:
-        disk = state_read + state_write + params_write
+        disk = state_read + state_write + params_write + grads_read
         stages = [
             ("pcie d2h", 0.0 if grads_in_backward else grads_d2h),
             ("host memcpy", unpack),
@@ -184,7 +188,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
         ("host memcpy", unpack + cast),
         ("pcie d2h", grads_d2h + stepped_d2h),
         ("pcie h2d", updates_h2d + 2 * units_h2d),
-        ("disk read", state_read + 2 * params_read),
-        ("disk write", state_write + params_write),
+        ("disk read", state_read + 2 * params_read + grads_read),
+        ("disk write", state_write + params_write + grads_write),
     )
     return StepTime(sum(s.seconds for s in path), components, tuple(path))

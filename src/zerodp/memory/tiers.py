@@ -14,16 +14,19 @@ a bucket's owned slice ``c`` (``bucket_bytes / p / N`` elements) and ``R`` ring 
 - ``optimizer="nvme"`` (built with f = 1: [Note: optimizer state on NVMe] in offload/swap.py):
   the offloaded K·f·Ψ/N are in files; the host keeps R swap slots of K·c bytes and the
   gradient ring below.
-- ``params="cpu"|"nvme"`` (stage 3, not built): the parameter shards (p·Ψ/N) rest on that tier;
-  the device holds the gathered units in flight, activations, and the gradients of the part of
-  the model it steps.
-- Gradients of the placements not built yet: with the parameters on the device (``params=
-  "none"``), the device keeps its gradients and the host pulls them bucket by bucket through an
-  fp32 ring of R slots (no full host copy); with the parameters offloaded, each unit's reduced
-  gradient leaves the device during backward and the host keeps it in the compute dtype
-  (p·f·Ψ/N) until the step's non-finite check and clipping are known, then upcasts it bucket by
-  bucket through that ring. (Stepping a bucket before every gradient is known would not be the
-  exact step: a skipped or clipped step is decided from all of them.)
+- ``params="cpu"|"nvme"`` (stage 3, built with f = 1): the parameter shards (p·Ψ/N) rest on
+  that tier; the device holds the gathered units in flight, activations and, as built, every
+  reduced gradient shard until the step.
+- ``gradients="nvme"`` (stage 3, built): the reduced gradient shards (p·Ψ/N) are written to a
+  file as backward produces them; the host keeps R spill slots of p·c bytes besides the step's
+  fp32 gradient ring, and the device none of them.
+- Gradients of the placements not built yet (f < 1): with the parameters on the device
+  (``params="none"``), the device keeps its gradients and the host pulls them bucket by bucket
+  through an fp32 ring of R slots (no full host copy); with the parameters offloaded, each
+  unit's reduced gradient leaves the device during backward and the host keeps the offloaded
+  part in the compute dtype (p·f·Ψ/N) until the step's non-finite check and clipping are known,
+  then upcasts it bucket by bucket through that ring. (Stepping a bucket before every gradient
+  is known would not be the exact step: a skipped or clipped step is decided from all of them.)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config.offload import TIERS
+from zerodp.config.offload import GRADIENT_TIERS, TIERS
 from zerodp.memory.estimator import (
     GPTShape,
     activation_bytes,
@@ -124,11 +127,18 @@ class Placement:
     DeepSpeed's ``offload_optimizer.ratio``); only with an offloaded optimizer."""
     stage: int = 2
     checkpointing: bool = False
+    gradients: str = "device"
+    """Stage 3: ``"nvme"``, the reduced gradient shards are written to a file as backward
+    produces them and read back by the step (``OffloadConfig.gradients``)."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer", "params"):
             if getattr(self, name) not in TIERS:
                 raise ValueError(f"Placement.{name} must be one of {', '.join(TIERS)}")
+        if self.gradients not in GRADIENT_TIERS:
+            raise ValueError(f"Placement.gradients must be one of {', '.join(GRADIENT_TIERS)}")
+        if self.gradients != "device" and (self.stage != 3 or self.optimizer == "none"):
+            raise ValueError("gradients on NVMe need stage 3 and an offloaded optimizer")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"Placement.stage must be 0-3; got {self.stage!r}")
         if not 0.0 <= self.optimizer_fraction <= 1.0:
@@ -159,8 +169,8 @@ class Placement:
         the device), ``"compute"`` (a compute-dtype copy: the device keeps none)."""
         if self.optimizer == "none":
             return "none"
-        if self.built and self.optimizer == "cpu":
-            return "fp32"
+        if self.built:  # the step's own host gradient: whole (cpu) or a ring (nvme)
+            return "fp32" if self.optimizer == "cpu" and self.gradients == "device" else "ring"
         return "ring" if self.params == "none" else "compute"
 
     def label(self) -> str:
@@ -171,6 +181,8 @@ class Placement:
             parts.append(f"optimizer={self.optimizer}{fraction}")
         if self.params != "none":
             parts.append(f"params={self.params}")
+        if self.gradients != "device":
+            parts.append(f"grads={self.gradients}")
         if not parts:
             parts.append("no offload")
         parts.append(f"s{self.stage}")
@@ -258,7 +270,7 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
     device = Breakdown.of(
         [
             ("parameters", pb * c.resting_params if p.params == "none" else 0.0),
-            ("gradients", pb * (c.grads if p.params == "none" else on_device_states)),
+            ("gradients", _device_gradients(p, c, pb)),
             ("optimizer state", k_device * on_device_states),
             ("step scratch", FP32 * c.chunk if w.mixed else 0.0),
             ("gradient staging", staging),
@@ -269,6 +281,7 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
         ]
     )
     grad_mode = p.host_gradient
+    grads_nvme = p.gradients == "nvme"
     host_gradients = {"fp32": FP32 * c.owned, "compute": pb * c.offloaded}.get(grad_mode, 0.0)
     offloading = p.optimizer != "none"
     host = Breakdown.of(
@@ -282,6 +295,7 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
                 ring * FP32 * c.ring_chunk if grad_mode in ("ring", "compute") else 0.0,
             ),
             ("nvme swap slots", ring * k_off * c.ring_chunk if p.optimizer == "nvme" else 0.0),
+            ("gradient spill slots", ring * pb * c.ring_chunk if grads_nvme else 0.0),
             (
                 "parameter staging",
                 (w.prefetch_depth + 1) * unit / w.world_size * pb if p.params != "none" else 0.0,
@@ -292,6 +306,18 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
         [
             ("optimizer state", k_off * c.offloaded if p.optimizer == "nvme" else 0.0),
             ("parameters", pb * c.resting_params if p.params == "nvme" else 0.0),
+            ("gradients", pb * c.grads if grads_nvme else 0.0),
         ]
     )
     return TierBytes(device=device, host=host, nvme=nvme)
+
+
+def _device_gradients(p: Placement, c: _Counts, pb: float) -> float:
+    """Built, the device keeps every reduced gradient shard until the step, unless they are on
+    NVMe; the unbuilt design with offloaded parameters sends the offloaded part's out during
+    backward (the module docstring)."""
+    if p.gradients != "device":
+        return 0.0
+    if p.params == "none" or p.built:
+        return pb * c.grads
+    return pb * (c.owned - c.offloaded)

@@ -16,7 +16,7 @@ from typing import Any
 
 from zerodp.apps.cli import estimate_measure
 from zerodp.apps.cli.argtypes import positive_float, positive_int
-from zerodp.config import TIERS, OffloadConfig
+from zerodp.config import GRADIENT_TIERS, TIERS, OffloadConfig
 from zerodp.memory import (
     CALIBRATION_SHAPE,
     CALIBRATION_STEP_S,
@@ -53,7 +53,12 @@ _MACHINE_FLAGS = {
     "mfu": ("mfu", 1.0),
     "device_hbm_gbps": ("device_memory_bytes_per_s", 1e9),
 }
-_PLACEMENT_FLAGS = ("offload_optimizer", "offload_params", "optimizer_fraction")
+_PLACEMENT_FLAGS = (
+    "offload_optimizer",
+    "offload_params",
+    "offload_gradients",
+    "optimizer_fraction",
+)
 _OTHER_FLAGS = (
     "stage",
     "ring_buckets",
@@ -79,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--offload-optimizer", choices=TIERS, help="this placement only (else search)")
     g.add_argument("--offload-params", choices=TIERS, help="stage 3; this placement only")
+    g.add_argument(
+        "--offload-gradients", choices=GRADIENT_TIERS, help="stage 3; this placement only"
+    )
     g.add_argument(
         "--optimizer-fraction",
         type=_fraction,
@@ -235,12 +243,14 @@ def _placement(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Pla
     if all(getattr(args, flag) is None for flag in _PLACEMENT_FLAGS):
         return None
     params = args.offload_params or "none"
+    stage3 = params != "none" or args.offload_gradients not in (None, "device")
     try:
         return Placement(
             optimizer=args.offload_optimizer or "none",
             params=params,
+            gradients=args.offload_gradients or "device",
             optimizer_fraction=args.optimizer_fraction or 1.0,
-            stage=args.stage if args.stage is not None else (3 if params != "none" else 2),
+            stage=args.stage if args.stage is not None else (3 if stage3 else 2),
             checkpointing=args.activation_checkpointing,
         )
     except ValueError as exc:
@@ -322,9 +332,9 @@ def _to_text(
         if key in largest:
             lines.append(_largest_line(what, largest[key]))
     lines.append(
-        "built: zerodp implements optimizer none, cpu and nvme, and params cpu and nvme with "
-        "the optimizer offloaded, today; a partial optimizer fraction is a prediction "
-        "(docs/offload.md)"
+        "built: zerodp implements optimizer none, cpu and nvme, params cpu and nvme and "
+        "(stage 3) grads nvme with the optimizer offloaded, today; a partial optimizer "
+        "fraction is a prediction (docs/offload.md)"
     )
     return "\n".join(lines)
 
@@ -352,6 +362,7 @@ def _prediction_json(name: str, pr: Prediction) -> dict[str, Any]:
         "placement": {
             "optimizer": p.optimizer,
             "params": p.params,
+            "gradients": p.gradients,
             "optimizer_fraction": p.optimizer_fraction,
             "stage": p.stage,
             "activation_checkpointing": p.checkpointing,
