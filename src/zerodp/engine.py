@@ -460,7 +460,7 @@ class ZeroEngine:
             host=self.runner.host_nbytes,
             params_offload=self.plan.offload_params,
             params_home=self.param_sync.home_bytes(),
-            gradients_offload="nvme" if self.plan.offload_gradients else "device",
+            gradients_offload=self.plan.offload_gradients,
         )
 
     def nvme_io(self) -> tuple[int, int]:

@@ -36,7 +36,7 @@ class Plan:
     check_finite: bool  # check the step's gradients: fp16 (loss scaler), else Precision.nonfinite
     offload_optimizer: str  # "none", "cpu", "nvme": where masters and optimizer state live
     offload_params: str  # stage 3: where the parameter shards rest
-    offload_gradients: bool  # stage 3: the reduced gradient shards wait for the step on NVMe
+    offload_gradients: str  # stage 3: "device", or "nvme": the reduced shards wait in a file
     offload_ring: int  # host transfer buffers per direction (OffloadConfig.ring_buckets)
     offload_path: str | None  # the "nvme" tier's directory
 
@@ -71,7 +71,7 @@ def resolve(config: ZeroConfig) -> Plan:
         check_finite=precision.compute == "fp16" or precision.nonfinite != "ignore",
         offload_optimizer=config.offload.optimizer,
         offload_params=config.offload.params,
-        offload_gradients=config.offload.gradients_offloaded,
+        offload_gradients=config.offload.gradients,
         offload_ring=config.offload.ring_buckets,
         offload_path=config.offload.path,
     )

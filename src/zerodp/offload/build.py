@@ -18,7 +18,7 @@ from zerodp.offload.spill_check import SpillCheck
 from zerodp.offload.swap import SwapStore
 from zerodp.optim.masters import Masters
 from zerodp.optim.pieces import OptimPiece
-from zerodp.optim.runner import StepRunner
+from zerodp.optim.runner import StepCheck
 from zerodp.partition.layout import Piece
 from zerodp.partition.segment import Segment
 from zerodp.plan import Plan
@@ -42,7 +42,7 @@ def offload_step(
     optimizer: torch.optim.Optimizer,
     home: ShardHome | None,
     spill: GradSpill | None,
-    check: Callable[[], StepRunner] | None,
+    check: Callable[[], StepCheck] | None,
 ) -> OffloadStep:
     """``check``: builds the device runner over the *uncut* pieces, which checks and clips on
     the device exactly as without offload (a norm summed over other pieces would round
@@ -62,7 +62,7 @@ def offload_step(
             slots=plan.offload_ring,
         )
     if spill is not None:
-        device: StepRunner = SpillCheck(spill, landing.streams.device)
+        device: StepCheck = SpillCheck(spill, landing.streams.device)
     else:
         assert check is not None
         device = check()

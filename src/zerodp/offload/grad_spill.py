@@ -73,7 +73,6 @@ class GradSpill:
     def reserve(self, run_numel: int) -> None:
         """The ring: ``slots`` aligned host buffers of the largest run (the reducer's plan)."""
         largest = max((d.itemsize for d in self.dtypes), default=4)
-        self.settle()
         self.ring = [
             aligned_empty(self.streams, aligned(max(1, run_numel) * largest))
             for _ in range(self.slots)
@@ -174,7 +173,7 @@ def make_spill(
     plan: Plan, streams: Streams, segments: list[Segment], rank: int
 ) -> GradSpill | None:
     """The plan's spill for stage 3's gradient shards; None when they stay on the device."""
-    if not plan.offload_gradients:
+    if plan.offload_gradients == "device":
         return None
     assert plan.offload_path is not None
     return GradSpill(streams, plan.offload_path, rank, segments, plan.offload_ring)

@@ -8,7 +8,7 @@ from zerodp.plan import Plan
 
 def refuse_adoption(plan: Plan) -> None:
     """Before anything changes: new trainable parameters would need the NVMe files relaid."""
-    if plan.offload_optimizer == "nvme" or plan.offload_gradients:
+    if "nvme" in (plan.offload_optimizer, plan.offload_gradients):
         raise NotImplementedError(
             "zerodp: adding trainable parameters after initialize (unfreezing them, "
             "add_param_group) is not supported with the NVMe tier "

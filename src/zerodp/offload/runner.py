@@ -53,14 +53,15 @@ from zerodp.offload.ring import TransferRing
 from zerodp.offload.swap import SwapStore
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
-from zerodp.optim.runner import StepRunner
+from zerodp.optim.runner import StepCheck
 from zerodp.partition.segment import Segment
 from zerodp.streams import Event
 
 
 class OffloadStep:
-    """See [Note: offloaded step]. ``device``: the runner that checks and clips on the
-    device (fp32: whole, mixed: chunked); its step is never called."""
+    """See [Note: offloaded step]. ``device``: what checks and clips: a device runner
+    (fp32: whole, mixed: chunked; its step is never called), or with the gradients on NVMe
+    ``SpillCheck`` ([Note: gradients on NVMe])."""
 
     writes_params = True  # the step copies updated parameters itself, per bucket
 
@@ -69,7 +70,7 @@ class OffloadStep:
         segments: list[Segment],
         pieces: list[OptimPiece],
         masters: Masters,
-        device: StepRunner,
+        device: StepCheck,
         landing: Landing,
         order: list[tuple[int, int]],
         slots: int,

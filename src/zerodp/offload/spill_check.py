@@ -20,7 +20,7 @@ from zerodp.optim.masters import ReducedGrads
 
 
 class SpillCheck:
-    writes_params = False  # never steps: ``OffloadStep`` does
+    """A ``StepCheck``: it never steps (``OffloadStep`` does)."""
 
     def __init__(self, spill: GradSpill, device: torch.device) -> None:
         self.spill = spill
@@ -59,25 +59,6 @@ class SpillCheck:
     def reset(self) -> None:
         self.factors = []
 
-    def bind(self, used: list[list[bool]]) -> None:
-        pass
-
-    def unbind(self) -> None:
-        pass
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grads: ReducedGrads,
-        inv_scale: float,
-        used: list[list[bool]],
-    ) -> None:
-        raise AssertionError("the offloaded step steps; this runner only checks and clips")
-
     @property
     def nbytes(self) -> int:
         return 0
-
-    @property
-    def host_nbytes(self) -> dict[str, int]:
-        return {}

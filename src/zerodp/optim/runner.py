@@ -26,24 +26,12 @@ from zerodp.optim.pieces import OptimPiece
 from zerodp.partition.segment import Segment
 
 
-class StepRunner(Protocol):
+class StepCheck(Protocol):
+    """What decides a step before any update: the non-finite check and clipping (the part of
+    a runner that the offloaded step asks a device runner for)."""
+
     def nonfinite(self, grads: ReducedGrads, inv_scale: float) -> bool:
         """Whether some owned gradient element is NaN/inf (after unscaling); this rank only."""
-
-    def bind(self, used: list[list[bool]]) -> None:
-        """The step's gradients are final: expose them to the user's optimizer where it reads
-        them outside ``step`` (fp32: ``.grad`` of the used pieces)."""
-
-    def unbind(self) -> None:
-        """Forget what ``bind`` exposed (``zero_grad``)."""
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grads: ReducedGrads,
-        inv_scale: float,
-        used: list[list[bool]],
-    ) -> None: ...
 
     def clip(
         self,
@@ -67,6 +55,23 @@ class StepRunner(Protocol):
     @property
     def nbytes(self) -> int:
         """Device memory the runner holds for the step (the chunked scratch)."""
+
+
+class StepRunner(StepCheck, Protocol):
+    def bind(self, used: list[list[bool]]) -> None:
+        """The step's gradients are final: expose them to the user's optimizer where it reads
+        them outside ``step`` (fp32: ``.grad`` of the used pieces)."""
+
+    def unbind(self) -> None:
+        """Forget what ``bind`` exposed (``zero_grad``)."""
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grads: ReducedGrads,
+        inv_scale: float,
+        used: list[list[bool]],
+    ) -> None: ...
 
     writes_params: bool  # the step writes the parameters itself (else ``publish`` does)
 
