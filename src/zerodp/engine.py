@@ -33,10 +33,11 @@ from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator, Grou
 from zerodp.config import ZeroConfig
 from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
-from zerodp.memory.report import Holdings
+from zerodp.memory.report import Holdings, optimizer_bytes
 from zerodp.offload.build import offload_pieces, offload_step
 from zerodp.offload.host_memory import bound_host_allocator
 from zerodp.offload.landing import Landing
+from zerodp.offload.partial import PartialStep, resolve_fraction
 from zerodp.offload.refuse import refuse_adoption
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
@@ -107,8 +108,9 @@ class ZeroEngine:
         self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
         optimized = set(self._groups)
         fp32 = self.cast.fp32_ids  # BatchNorm's, kept fp32 in segments of their own
+        fraction = self._offload_fraction(trainable, optimizer)
         self.param_sync = make_param_sync(
-            model, trainable, optimized, self.plan, config, self.comm, fp32, stage3
+            model, trainable, optimized, self.plan, config, self.comm, fp32, stage3, fraction
         )
         self.params = self.param_sync.sharded
         self.segments = self.param_sync.segments
@@ -121,6 +123,7 @@ class ZeroEngine:
             rank=self.comm.rank,
             host=offload,
             stored=plan.offload_optimizer == "nvme",
+            kept=self.param_sync.kept,
         )
         # The offloaded step's streams and landings ([Note: offloaded step] in offload/).
         device = self.segments[0].device if self.segments else torch.device("cpu")
@@ -167,6 +170,18 @@ class ZeroEngine:
 
     # -- construction --------------------------------------------------------------------------
 
+    def _offload_fraction(
+        self, trainable: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+    ) -> float:
+        """What part of the optimizer state to offload ([Note: partial offload])."""
+        plan = self.plan
+        if plan.offload_optimizer == "none":
+            return 1.0
+        owned = sum(p.numel() for _, p in trainable) // self.comm.world_size
+        device = trainable[0][1].device if trainable else torch.device("cpu")
+        per_element = optimizer_bytes(optimizer, self.config.precision.compute)
+        return resolve_fraction(plan.offload_fraction, device, owned, per_element)
+
     def _broadcast_frozen_and_buffers(self) -> None:
         """Rank 0's frozen parameters (after the compute-dtype cast: the same values) and
         buffers."""
@@ -195,7 +210,8 @@ class ZeroEngine:
         owner = self.masters.owner
         per_seg = [s.layout.owned_pieces(owner) for s in self.segments]
         if cut and self.landing is not None and owner is not None:
-            per_seg = offload_pieces(self.plan, self.segments, per_seg, owner)
+            host = [self.masters.on_host(i) for i in range(len(self.segments))]
+            per_seg = offload_pieces(self.plan, self.segments, per_seg, owner, host)
         grads = [self.reducer.grad_storage(i) for i in range(len(self.segments))]
         master = [self.masters.storage(i) for i in range(len(self.segments))]
         return make_pieces(self.segments, per_seg, self._groups, master if cut else grads, grads)
@@ -209,10 +225,24 @@ class ZeroEngine:
         if self.landing is None:
             return runner(self.pieces)
         order = self.param_sync.update_order()
-        args = (self.plan, self.segments, self.pieces, self.masters, self.landing, order)
+        host = [op for op in self.pieces if self.masters.on_host(op.seg)]
+        args = (self.plan, self.segments, host, self.masters, self.landing, order)
         sync = self.param_sync
         check = partial(runner, self._build_pieces(cut=False)) if sync.spill is None else None
-        return offload_step(*args, optimizer, sync.home, sync.spill, check)
+        step = offload_step(*args, optimizer, sync.home, sync.spill, check)
+        if not self.masters.kept:
+            return step
+        kept = [op for op in self.pieces if not self.masters.on_host(op.seg)]
+        plan = self.plan
+        device = make_runner(
+            self.segments,
+            kept,
+            mixed=plan.mixed,
+            sharded=plan.shard_optimizer,
+            rank=self.comm.rank,
+            factors=step.device.pending_factors,
+        )
+        return PartialStep(device, step, self.masters)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
@@ -461,7 +491,18 @@ class ZeroEngine:
             params_offload=self.plan.offload_params,
             params_home=self.param_sync.home_bytes(),
             gradients_offload=self.plan.offload_gradients,
+            kept=tuple(op.tensor for op in self.pieces if op.seg in self.masters.kept),
+            kept_masters=self.masters.nbytes_where(host=False) if self.landing else 0,
+            offload_fraction=self._offloaded_share(),
         )
+
+    def _offloaded_share(self) -> float:
+        """Of this rank's optimizer elements, the share offloaded (1 without partial offload;
+        not offloading at all is 1 too: the field describes what is offloaded)."""
+        sizes = [(op.piece.flat_range.numel, op.seg in self.masters.kept) for op in self.pieces]
+        total = sum(n for n, _ in sizes)
+        kept = sum(n for n, on_device in sizes if on_device)
+        return 1.0 - kept / total if total and self.landing is not None else 1.0
 
     def nvme_io(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier's files since initialize."""

@@ -37,6 +37,7 @@ class Plan:
     offload_optimizer: str  # "none", "cpu", "nvme": where masters and optimizer state live
     offload_params: str  # stage 3: where the parameter shards rest
     offload_gradients: str  # stage 3: "device", or "nvme": the reduced shards wait in a file
+    offload_fraction: float | str  # of the optimizer state, what is offloaded, or "auto"
     offload_ring: int  # host transfer buffers per direction (OffloadConfig.ring_buckets)
     offload_path: str | None  # the "nvme" tier's directory
 
@@ -72,6 +73,7 @@ def resolve(config: ZeroConfig) -> Plan:
         offload_optimizer=config.offload.optimizer,
         offload_params=config.offload.params,
         offload_gradients=config.offload.gradients,
+        offload_fraction=config.offload.optimizer_fraction,
         offload_ring=config.offload.ring_buckets,
         offload_path=config.offload.path,
     )

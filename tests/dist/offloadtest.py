@@ -7,6 +7,7 @@ import warnings
 
 import hf_models
 import torch
+import torch.distributed as dist
 from zerotest import rank_world
 
 import zerodp
@@ -116,14 +117,22 @@ def compare(kind: str, want_config: zerodp.ZeroConfig, got_config: zerodp.ZeroCo
 
 def state_values(opt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Every optimizer state value per parameter (by name, then state key): the pieces' values
-    joined in element order. Offloaded runs cut parameters into more pieces ([Note: offload
-    chunks]); element-wise, the values must be the same. A per-piece scalar (Adam's ``step``)
-    is listed once, or every copy if they differ."""
+    of every rank joined in element order. Offloaded runs cut parameters into more pieces
+    ([Note: offload chunks]), and partial offload lays them out in other segments, so other
+    ranks own them ([Note: partial offload]); element-wise, the values must be the same. A
+    per-piece scalar (Adam's ``step``) is listed once, or every copy if they differ."""
     sd = opt.state_dict()
-    merged: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    mine: list[tuple[str, str, int, torch.Tensor]] = []
     for k, (name, start, _) in enumerate(sd["zerodp"]["pieces"]):
         for key, value in sd["state"].get(k, {}).items():
-            merged.setdefault(name, {}).setdefault(key, []).append((start, value))
+            mine.append((name, key, start, value))
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    merged: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    for name, key, start, value in (entry for rank in everyone for entry in rank):
+        merged.setdefault(name, {}).setdefault(key, []).append((start, value))
     out = []
     for name in sorted(merged):
         for key in sorted(merged[name]):

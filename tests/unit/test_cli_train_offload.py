@@ -101,6 +101,14 @@ def test_gradients_on_nvme_at_stage_3() -> None:
     assert _parse("--stage", "3").offload_gradients == "device"
 
 
+@pytest.mark.parametrize(("text", "value"), [("0.25", 0.25), ("1", 1.0), ("auto", "auto")])
+def test_offload_fraction_reaches_the_config(text: str, value: float | str) -> None:
+    o = _parse("--stage", "2", "--offload-optimizer", "cpu", "--offload-fraction", text)
+    want = OffloadConfig(optimizer="cpu", optimizer_fraction=value)
+    assert o.offload_fraction == value and o.zero_config(2, param_bytes=10**9).offload == want
+    assert _parse().offload_fraction == 1.0
+
+
 def test_params_cpu_at_stage_3() -> None:
     o = _parse("--stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu")
     want = OffloadConfig(optimizer="cpu", params="cpu")
@@ -167,6 +175,20 @@ STAGE_2_GRADIENTS_ON_NVME = [
             "local disk for the offloaded state",
         ),
         (
+            ["--stage", "2", "--offload-fraction", "0.5"],
+            "ZeroConfig.offload.optimizer_fraction=0.5 needs the optimizer offloaded: set "
+            "ZeroConfig.offload.optimizer to 'cpu' or 'nvme', or drop it",
+        ),
+        (
+            ["--stage", "2", "--offload-optimizer", "cpu", "--offload-fraction", "1.5"],
+            "ZeroConfig.offload.optimizer_fraction must be 'auto' or a number in (0, 1] (1 "
+            "offloads all of it); got 1.5",
+        ),
+        (
+            ["--stage", "2", "--offload-optimizer", "cpu", "--offload-fraction", "half"],
+            "argument --offload-fraction: not a number: 'half'",
+        ),
+        (
             STAGE_2_GRADIENTS_ON_NVME,
             "ZeroConfig.offload.gradients='nvme' needs stage 3 (stages 1-2 keep their gradients "
             "where the backward writes them); got stage 2",
@@ -218,6 +240,11 @@ def test_bad_combinations_exit_with_zeroconfigs_message(
         (
             ["--offload-optimizer", "nvme", "--offload-gradients", "nvme", "--offload-dir", "/d"],
             "--offload-optimizer nvme needs stage 1, 2 or 3, but --compare-stages also trains "
+            "stage 0: drop --offload-optimizer or --compare-stages",
+        ),
+        (
+            ["--offload-optimizer", "cpu", "--offload-fraction", "0.5"],
+            "--offload-optimizer cpu needs stage 1, 2 or 3, but --compare-stages also trains "
             "stage 0: drop --offload-optimizer or --compare-stages",
         ),
         (

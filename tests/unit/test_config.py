@@ -230,6 +230,13 @@ NON_DEFAULT = ZeroConfig(
         optimizer="nvme", params="nvme", gradients="nvme", path="/tmp/zerodp", ring_buckets=2
     ),
 )
+# Partial offload keeps gradients on the device: its field is set in a second configuration.
+PARTIAL = dataclasses.replace(
+    NON_DEFAULT,
+    offload=OffloadConfig(
+        optimizer="nvme", params="nvme", optimizer_fraction="auto", path="/tmp/zerodp"
+    ),
+)
 
 
 def test_every_field_of_the_round_trip_config_is_not_its_default() -> None:
@@ -240,19 +247,22 @@ def test_every_field_of_the_round_trip_config_is_not_its_default() -> None:
         return out
 
     given, default = leaves(NON_DEFAULT.to_dict()), leaves(ZeroConfig().to_dict())
-    assert given.keys() == default.keys()
-    assert [k for k in given if given[k] == default[k]] == []
+    partial = leaves(PARTIAL.to_dict())
+    assert given.keys() == default.keys() == partial.keys()
+    assert [k for k in given if given[k] == default[k] and partial[k] == default[k]] == []
+    assert [k for k in given if given[k] == default[k]] == ["offload.optimizer_fraction"]
 
 
-def test_to_dict_is_nested_and_round_trips(tmp_path: Path) -> None:
-    d = NON_DEFAULT.to_dict()
+@pytest.mark.parametrize("config", [NON_DEFAULT, PARTIAL], ids=["all", "partial"])
+def test_to_dict_is_nested_and_round_trips(tmp_path: Path, config: ZeroConfig) -> None:
+    d = config.to_dict()
     assert d["precision"]["loss_scaling"]["hysteresis"] == 3
     assert d["stage3"]["prefetch_depth"] == 2
     with no_warnings():
-        assert ZeroConfig.from_dict(d) == NON_DEFAULT
+        assert ZeroConfig.from_dict(d) == config
         path = tmp_path / "zero.json"
         path.write_text(json.dumps(d))  # tuples become lists
-        assert ZeroConfig.from_json(path) == NON_DEFAULT
+        assert ZeroConfig.from_json(path) == config
 
 
 def test_frozen() -> None:

@@ -101,6 +101,54 @@ def test_offload_config_rules(kwargs: dict[str, Any], message: str) -> None:
     assert _message(lambda: OffloadConfig(**kwargs)) == message
 
 
+FRACTION = (
+    "ZeroConfig.offload.optimizer_fraction must be 'auto' or a number in (0, 1] (1 offloads "
+    "all of it); got {value!r}"
+)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.5, float("nan"), True, "half", None, "1"])
+def test_optimizer_fraction_must_be_auto_or_in_0_1(value: object) -> None:
+    make = partial(OffloadConfig, optimizer="cpu", optimizer_fraction=value)
+    assert _message(make) == FRACTION.format(value=value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"optimizer_fraction": 0.5},
+            "ZeroConfig.offload.optimizer_fraction=0.5 needs the optimizer offloaded: set "
+            "ZeroConfig.offload.optimizer to 'cpu' or 'nvme', or drop it",
+        ),
+        (
+            {"optimizer_fraction": "auto"},
+            "ZeroConfig.offload.optimizer_fraction='auto' needs the optimizer offloaded: set "
+            "ZeroConfig.offload.optimizer to 'cpu' or 'nvme', or drop it",
+        ),
+        (
+            {"optimizer": "cpu", "gradients": "nvme", "path": "/x", "optimizer_fraction": 0.3},
+            "ZeroConfig.offload.optimizer_fraction=0.3 keeps part of the optimizer step on the "
+            "device, which reads its gradients there: set ZeroConfig.offload.gradients to "
+            "'device', or the fraction to 1",
+        ),
+    ],
+)
+def test_partial_offload_rules(kwargs: dict[str, Any], message: str) -> None:
+    assert _message(lambda: ZeroConfig(stage=3, offload=OffloadConfig(**kwargs))) == message
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("value", [0.25, 1, 1.0, "auto"])
+def test_partial_offload_at_every_stage(stage: int, value: float | str) -> None:
+    offload = OffloadConfig(optimizer="cpu", optimizer_fraction=value)
+    config = ZeroConfig.from_dict(
+        {"stage": stage, "offload": {"optimizer": "cpu", "optimizer_fraction": value}}
+    )
+    assert config.offload == offload
+    assert ZeroConfig.from_dict(config.to_dict()) == config
+
+
 def test_valid_offload_configs() -> None:
     assert OffloadConfig() == OffloadConfig(
         optimizer="none", params="none", gradients="device", path=None, ring_buckets=4
@@ -230,7 +278,7 @@ def test_from_dict_nested_offload_and_round_trip(tmp_path: Path) -> None:
         optimizer="nvme", params="nvme", gradients="nvme", path="/x", ring_buckets=4
     )
     d = config.to_dict()
-    assert d["offload"] == {**NVME, "ring_buckets": 4}
+    assert d["offload"] == {**NVME, "ring_buckets": 4, "optimizer_fraction": 1.0}
     assert ZeroConfig.from_dict(d) == config
     path = tmp_path / "zero.json"
     path.write_text(json.dumps(d), encoding="utf-8")
@@ -247,7 +295,7 @@ def test_unknown_offload_field_is_refused() -> None:
     values = {"stage": 2, "offload": {"optimiser": "cpu", "pin_memory": True}}
     assert _message(lambda: ZeroConfig.from_dict(values)) == (
         "ZeroConfig.offload got unknown field(s) ['optimiser', 'pin_memory']; allowed fields: "
-        "['gradients', 'optimizer', 'params', 'path', 'ring_buckets']"
+        "['gradients', 'optimizer', 'optimizer_fraction', 'params', 'path', 'ring_buckets']"
     )
 
 

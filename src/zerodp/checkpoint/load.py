@@ -208,10 +208,8 @@ def _write_masters(state: CheckpointState, name: str, full: torch.Tensor) -> Non
     holds has no piece, so its owned master slices are written here. (In fp32 training the
     masters are the parameters, already written.)"""
     masters = state.masters
-    if not masters.separate:
-        return
     for i, seg in enumerate(state.segments):
-        if name not in seg.names:
+        if not masters.is_separate(i) or name not in seg.names:
             continue
         slot = seg.names.index(name)
         storage = masters.storage(i)

@@ -47,6 +47,16 @@ class OffloadConfig(Policy):
     """Directory for the ``"nvme"`` tier's files (one per rank and tensor group, private to the
     run, removed at exit). Required by ``"nvme"`` and refused otherwise."""
 
+    optimizer_fraction: float | str = 1.0
+    """Partial offload: the fraction of this rank's optimizer state (masters and moments) that
+    ``optimizer`` offloads, in (0, 1]. The rest, the parameters the next forward reads first
+    (which backward reduces last), keeps its state on the device and is stepped there while
+    the CPU steps the offloaded part ([Note: partial offload] in offload/partial.py). Whole
+    parameters (stage 3: whole units) are kept, the longest such prefix within the remaining
+    fraction. ``"auto"``: as much on the device as half of its free memory at ``initialize``
+    holds (1.0 on a CPU-only machine, where the device is host memory). Exact at every
+    fraction. Needs ``optimizer`` offloaded, and the gradients on the device."""
+
     ring_buckets: int = 4
     """Host transfer buffers per direction, each one bucket's owned slice: what bounds the
     pinned memory of the copies (the gradients to the host, the updated parameters back)."""
@@ -56,6 +66,7 @@ class OffloadConfig(Policy):
         check_choice(self, "params", TIERS)
         check_choice(self, "gradients", GRADIENT_TIERS)
         check_positive_int(self, "ring_buckets")
+        _check_fraction(self)
         nvme = "nvme" in (self.optimizer, self.params, self.gradients)
         if self.path is not None and not isinstance(self.path, str):
             raise ValueError(f"{field_path(self, 'path')} must be a directory; got {self.path!r}")
@@ -83,6 +94,18 @@ class OffloadConfig(Policy):
     @property
     def gradients_offloaded(self) -> bool:
         return self.gradients != "device"
+
+
+def _check_fraction(offload: OffloadConfig) -> None:
+    value = offload.optimizer_fraction
+    name = field_path(offload, "optimizer_fraction")
+    if value == "auto":
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0.0 < float(value) <= 1.0:  # also NaN
+        raise ValueError(
+            f"{name} must be 'auto' or a number in (0, 1] (1 offloads all of it); got {value!r}"
+        )
 
 
 def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
@@ -115,4 +138,22 @@ def check_offload_stage(offload: OffloadConfig, stage: int) -> None:
             f"{field_path(offload, 'gradients')}={offload.gradients!r} needs the optimizer "
             f"offloaded too: set {field_path(offload, 'optimizer')} to 'cpu' or 'nvme' (the "
             "offloaded step is what reads the gradients back from the files)"
+        )
+    _check_partial(offload)
+
+
+def _check_partial(offload: OffloadConfig) -> None:
+    """What partial offload (``optimizer_fraction`` below 1) needs."""
+    if offload.optimizer_fraction == 1.0:
+        return
+    name = f"{field_path(offload, 'optimizer_fraction')}={offload.optimizer_fraction!r}"
+    if not offload.optimizer_offloaded:
+        raise ValueError(
+            f"{name} needs the optimizer offloaded: set {field_path(offload, 'optimizer')} "
+            "to 'cpu' or 'nvme', or drop it"
+        )
+    if offload.gradients_offloaded:
+        raise ValueError(
+            f"{name} keeps part of the optimizer step on the device, which reads its gradients "
+            f"there: set {field_path(offload, 'gradients')} to 'device', or the fraction to 1"
         )

@@ -63,6 +63,11 @@ class MemoryReport:
     # Gradient offload (stage 3, ZeroConfig.offload.gradients="nvme"): ``gradients`` is 0, the
     # shards are in a file counted in ``nvme`` (its ring in ``host_buffers``).
     gradients_offload: str = "device"
+    # Partial offload (ZeroConfig.offload.optimizer_fraction < 1): of ``optimizer_state``, what
+    # stays on the device (the kept segments' masters and state), and the fraction of this
+    # rank's optimizer elements that is offloaded.
+    optimizer_on_device: int = 0
+    offload_fraction: float = 1.0
 
     @property
     def model_states(self) -> int:
@@ -74,7 +79,8 @@ class MemoryReport:
         """Bytes held in host memory for the offloaded step (0 without offload)."""
         if self.offload == "none":
             return 0
-        return self.optimizer_state + self.host_gradients + self.host_buffers + self.host_parameters
+        state = self.optimizer_state - self.optimizer_on_device
+        return state + self.host_gradients + self.host_buffers + self.host_parameters
 
     @property
     def device(self) -> int:
@@ -82,7 +88,18 @@ class MemoryReport:
         total = self.model_states + self.comm_buffers + self.frozen_parameters
         total += self.step_transient
         total -= self.host_parameters
-        return total - (self.optimizer_state if self.offload != "none" else 0)
+        if self.offload == "none":
+            return total
+        return total - self.optimizer_state + self.optimizer_on_device
+
+    def _where(self) -> str:
+        if not self.optimizer_on_device:
+            return _WHERE[self.offload]
+        return (
+            f" ({self.optimizer_on_device:,} B on the device, "
+            f"{self.offload_fraction:.0%} of the elements offloaded"
+            + ("; the rest on NVMe)" if self.offload == "nvme" else " to host memory)")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,7 +123,7 @@ class MemoryReport:
                 "optimizer state",
                 self.optimizer_state,
                 _theory_note(theory.get("optimizer_state"))
-                + _WHERE[self.offload]
+                + self._where()
                 + f"; fp32 masters {self.master_parameters:,} B"
                 f", step counters {self.optimizer_scalar_bytes:,} B",
             ),
@@ -209,10 +226,13 @@ class Holdings:
     params_offload: str = "none"
     params_home: dict[str, int] = field(default_factory=dict)  # host_parameters, nvme
     gradients_offload: str = "device"
+    kept: tuple[torch.Tensor, ...] = ()  # partial offload: the pieces stepped on the device
+    kept_masters: int = 0  # and their fp32 master copies' bytes
+    offload_fraction: float = 1.0
 
 
 def measure(held: Holdings) -> MemoryReport:
-    state_bytes, scalar_bytes = _optimizer_state_bytes(held.optimizer)
+    state_bytes, scalar_bytes = optimizer_state_bytes(held.optimizer)
     return MemoryReport(
         rank=held.rank,
         world_size=held.world_size,
@@ -232,6 +252,8 @@ def measure(held: Holdings) -> MemoryReport:
         offload=held.offload,
         params_offload=held.params_offload,
         gradients_offload=held.gradients_offload,
+        optimizer_on_device=optimizer_state_bytes(held.optimizer, held.kept)[0] + held.kept_masters,
+        offload_fraction=held.offload_fraction,
         **held.stage3,
         **_tiers(held.host, held.params_home),
     )
@@ -277,10 +299,21 @@ def _optimizer_name(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
+def optimizer_bytes(opt: torch.optim.Optimizer, precision: str) -> float:
+    """K, the optimizer-state bytes per element with fp32 masters where ``precision`` has
+    them (the estimator's table; Adam's for an optimizer it does not know)."""
+    return optimizer_multiplier(_optimizer_name(opt) or "adam", precision)
+
+
+def optimizer_state_bytes(
+    opt: torch.optim.Optimizer, params: tuple[torch.Tensor, ...] | None = None
+) -> tuple[int, int]:
+    """Bytes of every tensor in the optimizer's state (of ``params`` only, if given), and of
+    those the 0-dim ones."""
     seen: set[int] = set()
     total = scalars = 0
-    for state in opt.state.values():
+    states = opt.state.values() if params is None else [opt.state.get(p, {}) for p in params]
+    for state in states:
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
                 if value.numel() > 0:

@@ -25,11 +25,19 @@ from zerodp.plan import Plan
 
 
 def offload_pieces(
-    plan: Plan, segments: list[Segment], per_seg: list[list[Piece]], owner: int
+    plan: Plan,
+    segments: list[Segment],
+    per_seg: list[list[Piece]],
+    owner: int,
+    host: list[bool],
 ) -> list[list[Piece]]:
-    """Each segment's owned pieces cut at the chunk boundaries."""
+    """Each offloaded (``host``) segment's owned pieces cut at the chunk boundaries; the
+    others' as they are (partial offload steps them on the device, as without offload)."""
     chunk = chunk_numel(plan.bucket_bytes)
-    return [split_pieces(p, s.layout, owner, chunk) for p, s in zip(per_seg, segments, strict=True)]
+    return [
+        split_pieces(p, s.layout, owner, chunk) if on_host else p
+        for p, s, on_host in zip(per_seg, segments, host, strict=True)
+    ]
 
 
 def offload_step(

@@ -27,6 +27,7 @@ registered on the inner optimizer runs that often; ``ZeroOptimizer``'s own hooks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,9 +69,17 @@ class ChunkedGrads:
     writes_params = False
 
     def __init__(
-        self, segments: list[Segment], pieces: list[OptimPiece], *, owner: int | None
+        self,
+        segments: list[Segment],
+        pieces: list[OptimPiece],
+        *,
+        owner: int | None,
+        factors: Callable[[], list[torch.Tensor]] | None = None,
     ) -> None:
+        """``factors``: where this step's clip coefficients come from when another runner
+        clips (partial offload: [Note: partial offload] in offload/partial.py)."""
         self.segments = segments
+        self._factors = factors
         self.pieces = pieces
         self.sharded = owner is not None  # each rank steps its slices (stages 1-3)
         by_bucket = pieces_by_chunk(segments, pieces, owner)
@@ -96,7 +105,7 @@ class ChunkedGrads:
         buf.copy_(self._source(reducer, c))
         if scale != 1.0:
             buf.mul_(scale)
-        for coef in self.coefs:
+        for coef in self.coefs if self._factors is None else self._factors():
             buf.mul_(coef)
         return buf
 

@@ -67,30 +67,47 @@ class Masters:
         rank: int,
         host: bool = False,
         stored: bool = False,
+        kept: frozenset[int] = frozenset(),
     ):
         self.segments = segments
         self.host = host  # in host memory (optimizer offload; sharded only)
-        self.separate = separate or host  # fp32 copies rather than the params
+        # Partial offload ([Note: partial offload] in offload/partial.py): these segments'
+        # masters stay on the device, as without offload.
+        self.kept = kept
+        self.mixed = separate  # fp32 copies wherever they are (else: the params, on the device)
         self.owner = rank if sharded else None  # whose slices the optimizer steps
         self.rank = rank
         # NVMe: the store writes these initial values to its files and drops them at once.
         self.stored = stored
         assert not host or sharded, "offloaded masters are the owned slices (stages 1-3)"
-        self.buffers: list[OwnedStorage] = [self._master(seg) for seg in segments]
+        self.buffers: list[OwnedStorage | None] = [self._master(seg) for seg in segments]
         self.store: Resident | None = None  # NVMe: the masters are in files between steps
-        self.evicted = False
+
+    def on_host(self, i: int) -> bool:
+        """Segment ``i``'s masters are in host memory (or on NVMe)."""
+        return self.host and i not in self.kept
+
+    def is_separate(self, i: int) -> bool:
+        """Segment ``i``'s masters are fp32 copies, not the parameters themselves."""
+        return self.mixed or self.on_host(i)
+
+    @property
+    def separate(self) -> bool:
+        """Some segment's masters are copies (every one's, without partial offload)."""
+        return self.mixed or (self.host and len(self.kept) < len(self.segments))
 
     def _master(self, seg: Segment) -> OwnedStorage:
         params = seg.param_storage(self.owner)
-        if not self.separate:
+        if not self.is_separate(seg.index):
             return params
         if self.owner is None:
             return FlatBuffer(params.data.detach().float().clone(), seg.layout, None)
-        if self.stored and _host_fp32_shard(params):
+        on_host = self.on_host(seg.index)
+        if self.stored and on_host and _host_fp32_shard(params):
             # Only read once, before any step, into the store's files: no copy (at fp32 the
             # shard holds exactly the masters' values), so initialize needs no second 4 B/param.
             return params
-        device = torch.device("cpu") if self.host else seg.device
+        device = torch.device("cpu") if on_host else seg.device
         data = torch.empty(seg.layout.shard_numel, dtype=torch.float32, device=device)
         master = ShardBuffer(data, seg.layout, self.rank)
         copy_regions(master, params)
@@ -101,28 +118,29 @@ class Masters:
         self.buffers += [self._master(seg) for seg in segments]
 
     def storage(self, i: int) -> OwnedStorage:
-        if self.evicted:
+        buffer = self.buffers[i]
+        if buffer is None:
             raise RuntimeError(
                 "zerodp: the fp32 masters are on NVMe between steps "
                 "(ZeroConfig.offload.optimizer='nvme'): read or write them inside "
                 "Masters.resident()"
             )
-        return self.buffers[i]
+        return buffer
 
     # -- on NVMe ([Note: optimizer state on NVMe] in offload/swap.py) --------------------------
 
     def evict(self) -> None:
-        """Drop the host copies: the store holds the values."""
-        self.buffers = []
-        self.evicted = True
+        """Drop the host copies: the store holds the values (the kept ones stay)."""
+        self.buffers = [None if self.on_host(i) else b for i, b in enumerate(self.buffers)]
 
     def restore(self) -> None:
         """Empty host shard buffers again, for the store to fill."""
         self.buffers = [
             ShardBuffer(torch.empty(seg.layout.shard_numel), seg.layout, self.rank)
-            for seg in self.segments
+            if self.on_host(seg.index)
+            else b
+            for seg, b in zip(self.segments, self.buffers, strict=True)
         ]
-        self.evicted = False
 
     @contextmanager
     def resident(self, *, write: bool) -> Iterator[None]:
@@ -142,21 +160,30 @@ class Masters:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def publish(self) -> None:
+    def publish(self, only: frozenset[int] | None = None) -> None:
         """Refresh the owned slices of the model's parameters from the masters (a cast, under
-        mixed precision; nothing in fp32, where the masters are the parameters). The other
-        slices arrive by all-gather ([Note: deferred parameter gather] in params/deferred.py)."""
-        if not self.separate:
-            return
+        mixed precision; nothing where the masters are the parameters), of every segment or
+        those in ``only``. The other slices arrive by all-gather ([Note: deferred parameter
+        gather] in params/deferred.py)."""
         with torch.no_grad():
-            for seg, master in zip(self.segments, self.buffers, strict=True):
-                copy_regions(seg.param_storage(self.owner), master)
+            for i, seg in enumerate(self.segments):
+                if self.is_separate(i) and (only is None or i in only):
+                    copy_regions(seg.param_storage(self.owner), self.storage(i))
+
+    def nbytes_where(self, *, host: bool) -> int:
+        """Bytes of fp32 master copies in host memory (``host``) or on the device (0 where the
+        masters are the parameters themselves)."""
+        held = [
+            b
+            for i, b in enumerate(self.buffers)
+            if b is not None and self.is_separate(i) and self.on_host(i) == host
+        ]
+        return sum(b.data.numel() * b.data.element_size() for b in held)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of fp32 master copies (0 when the masters are the parameters themselves), on
-        the device or, offloaded, in host memory (``host``)."""
-        return sum(b.data.numel() * b.data.element_size() for b in self.buffers) * self.separate
+        """Bytes of fp32 master copies, wherever they are."""
+        return self.nbytes_where(host=True) + self.nbytes_where(host=False)
 
 
 def copy_regions(dst: OwnedStorage, src: OwnedStorage) -> None:

@@ -13,6 +13,7 @@ plan, so that the engine's step has no precision branch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -160,9 +161,12 @@ def make_runner(
     mixed: bool,
     sharded: bool,
     rank: int,
+    factors: Callable[[], list[torch.Tensor]] | None = None,
 ) -> StepRunner:
-    """The runner for these pieces (rebuilt whenever the pieces are)."""
+    """The runner for these pieces (rebuilt whenever the pieces are); ``factors``: the clip
+    coefficients of another runner that clips for this one (mixed; fp32 clips in place)."""
     if mixed:
-        return ChunkedGrads(segments, pieces, owner=rank if sharded else None)
+        owner = rank if sharded else None
+        return ChunkedGrads(segments, pieces, owner=owner, factors=factors)
     device = segments[0].device if segments else torch.device("cpu")
     return WholeStep(segments, pieces, sharded=sharded, rank=rank, device=device)

@@ -262,10 +262,13 @@ class ShardedParams:
     # -- accounting ------------------------------------------------------------------------------
 
     def param_bytes(self) -> int:
-        """Parameters held at rest on the device: shards (unless offloaded), plus persistent
-        parameters (full)."""
-        shards = sum(u.shard_nbytes for u in self.units) if self.home is None else 0
-        return shards + self.persistent_bytes()
+        """Parameters held at rest on the device: shards (unless offloaded: partial offload
+        keeps some), plus persistent parameters (full)."""
+        home = self.home
+        device = [
+            s for u in self.units for s in u.segments if home is None or not home.holds(s.index)
+        ]
+        return sum(s.shard_nbytes for s in device) + self.persistent_bytes()
 
     def persistent_bytes(self) -> int:
         return sum(_nbytes(self.segments[i].param_buffer) for i in self.persistent_seg_ids)

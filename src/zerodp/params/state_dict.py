@@ -52,11 +52,11 @@ def _write_back_segment(i: int, seg: Segment, masters: Masters) -> None:
     master = masters.storage(i)
     if isinstance(seg, ShardedSegment):
         owned = seg.owned_view()
-        if masters.separate:
+        if masters.is_separate(i):
             _copy_changed(master.data, owned, before=seg.shard.to(owned.device))
         seg.shard.copy_(owned)
         return
-    if not masters.separate:  # fp32 stages 0-2 / persistent: the masters view the parameters
+    if not masters.is_separate(i):  # fp32 stages 0-2 / persistent: the masters view the parameters
         return
     params = seg.param_storage(masters.owner)
     for b in seg.layout.buckets:

@@ -26,6 +26,7 @@ from zerodp.grads.sync import GradSync
 from zerodp.offload.grad_spill import GradSpill, make_spill
 from zerodp.offload.home import ShardHome, make_home, resident
 from zerodp.offload.landing import Landing
+from zerodp.offload.partial import kept_prefix
 from zerodp.optim.masters import Masters
 from zerodp.params.deferred import DeferredGather
 from zerodp.params.manager import ShardedParams, Stage3Options
@@ -75,6 +76,11 @@ class ParamSync(Protocol):
         ``written``: the step runner is copying the owned slices itself (offload), each
         bucket's landing awaited by its gather."""
 
+    @property
+    def kept(self) -> frozenset[int]:
+        """Segments whose optimizer state stays on the device under partial offload ([Note:
+        partial offload] in offload/partial.py); empty otherwise."""
+
     def update_order(self) -> list[tuple[int, int]]:
         """(segment, bucket) in the order the next forward first reads them: the order an
         offloaded step updates them in."""
@@ -111,11 +117,21 @@ class ReplicatedParams:
     sharded: None = None
 
     def __init__(
-        self, trainable: Named, plan: Plan, config: ZeroConfig, comm: Communicator, fp32: set[int]
+        self,
+        trainable: Named,
+        plan: Plan,
+        config: ZeroConfig,
+        comm: Communicator,
+        fp32: set[int],
+        fraction: float,
     ) -> None:
         self.plan = plan
         self.comm = comm
-        self.segments = build_segments(trainable, plan, comm.world_size, fp32)
+        # Partial offload: the first parameters in registration order, in segments of their own.
+        first = kept_prefix([p.numel() for _, p in trainable], fraction)
+        ids = frozenset(id(p) for _, p in trainable[:first])
+        self.segments = build_segments(trainable, plan, comm.world_size, fp32, kept=ids)
+        self.kept = frozenset(s.index for s in self.segments if id(s.params[0]) in ids)
         broadcast_segments(comm, self.segments)  # start from rank 0's values, as DDP does
         self.gather = DeferredGather(self.segments, comm, overlap=config.overlap_param_gather)
         self._reducer: GradReducer | None = None
@@ -177,13 +193,19 @@ class ReplicatedParams:
 class ShardedParamSync:
     """Stage 3 (see the module docstring)."""
 
-    def __init__(self, sharded: ShardedParams, plan: Plan, comm: Communicator) -> None:
+    def __init__(
+        self, sharded: ShardedParams, plan: Plan, comm: Communicator, fraction: float
+    ) -> None:
         self.plan = plan
         self.sharded = sharded
         self.segments = sharded.segments
         persistent = [s for _, s in self.sharded.persistent_segments()]
         # Persistent parameters may be read anywhere: their gather is waited for in the step.
         self.gather = DeferredGather(persistent, comm, overlap=False)
+        # Partial offload: whole segments, in the order the next forward needs them.
+        order = list(dict.fromkeys(s for s, _ in self.update_order()))
+        first = kept_prefix([self.segments[s].numel for s in order], fraction)
+        self.kept = frozenset(order[:first])
         self._grads: GradSync | None = None
         self._state_dict: StateDictHooks | None = None  # full state dicts ([Note: writeback])
         self._adopted: list[int] = []
@@ -232,7 +254,8 @@ class ShardedParamSync:
         self.gather.landing = landing
         sharded = self.sharded
         sharded.gatherer.landing = landing
-        units = [s for u in sharded.units for s in u.segments]
+        # A kept unit's shard stays on the device with its optimizer state.
+        units = [s for u in sharded.units for s in u.segments if s.index not in self.kept]
         sharded.home = make_home(self.plan, landing, units, sharded.comm.rank)
         sharded.gatherer.home = sharded.home
         sharded.spill = make_spill(self.plan, landing.streams, self.segments, sharded.comm.rank)
@@ -304,13 +327,15 @@ def make_param_sync(
     comm: Communicator,
     fp32: set[int],
     stage3: Stage3Options | None,
+    fraction: float = 1.0,
 ) -> ParamSync:
-    """The plan's parameter sync; builds (and broadcasts from rank 0) the segments."""
+    """The plan's parameter sync; builds (and broadcasts from rank 0) the segments.
+    ``fraction``: of the optimizer state, what is offloaded ([Note: partial offload])."""
     if plan.shard_params:
         options = stage3 or Stage3Options()
         args = (model, trainable, optimized, plan, config.stage3, comm, fp32, options)
-        return ShardedParamSync(ShardedParams(*args), plan, comm)
-    return ReplicatedParams(trainable, plan, config, comm, fp32)
+        return ShardedParamSync(ShardedParams(*args), plan, comm, fraction)
+    return ReplicatedParams(trainable, plan, config, comm, fp32, fraction)
 
 
 def broadcast_segments(comm: Communicator, segments: list[Segment]) -> None:

@@ -132,7 +132,7 @@ class Gatherer:
     def _source(self, seg: ShardedSegment, full: torch.Tensor) -> torch.Tensor:
         """The all-gather's input: the shard, or with offloaded parameters its copy staged into
         its own slice of ``full`` (the all-gather's output)."""
-        if self.home is None:
+        if self.home is None or not self.home.holds(seg.index):  # a kept unit: on the device
             return seg.shard
         owned = full.narrow(0, seg.owned.start, seg.owned.numel)
         self.home.stage(seg, owned)

@@ -1,8 +1,10 @@
 """Flat segments from a model's trainable parameters, as every stage lays them out.
 
-[Note: segment grouping] Parameters are grouped by (dtype, device, kept in fp32) in reversed
-registration order, DDP's approximation of the order backward produces gradients; one segment
-per group. Buckets and alignment are sized for the dtype the segment is stored in (the compute
+[Note: segment grouping] Parameters are grouped by (dtype, device, kept in fp32, optimizer state
+kept on the device) in reversed registration order, DDP's approximation of the order backward
+produces gradients; one segment per group. The last key only splits anything under partial
+offload ([Note: partial offload] in offload/partial.py). Buckets and alignment are sized for
+the dtype the segment is stored in (the compute
 dtype under mixed precision, except parameters kept in fp32 such as BatchNorm's).
 """
 
@@ -22,14 +24,17 @@ def build_segments(
     world_size: int,
     fp32_ids: set[int],
     first: int = 0,
+    kept: frozenset[int] = frozenset(),
 ) -> list[Segment]:
-    """Segments ``first``, ``first + 1``, ... holding ``named`` (see the note)."""
-    by_kind: dict[tuple[torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
+    """Segments ``first``, ``first + 1``, ... holding ``named`` (see the note); ``kept``: ids
+    of the parameters whose optimizer state stays on the device under partial offload."""
+    Kind = tuple[torch.dtype, torch.device, bool, bool]
+    by_kind: dict[Kind, list[tuple[str, nn.Parameter]]] = {}
     for name, p in reversed(named):
-        key = (p.dtype, p.device, id(p) in fp32_ids)
+        key = (p.dtype, p.device, id(p) in fp32_ids, id(p) in kept)
         by_kind.setdefault(key, []).append((name, p))
     segments = []
-    for i, ((dtype, _, keep_fp32), items) in enumerate(by_kind.items()):
+    for i, ((dtype, _, keep_fp32, _), items) in enumerate(by_kind.items()):
         if plan.mixed and not keep_fp32:
             dtype = plan.compute_dtype
         specs = [ParamSpec(n, tuple(p.shape)) for n, p in items]

@@ -20,6 +20,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction_or_auto(text: str) -> float | str:
+    """``"auto"`` or a number; the range is the config's to check (its message names it)."""
+    return "auto" if text == "auto" else _float(text)
+
+
 def _float(text: str) -> float:
     try:
         return float(text)

@@ -83,6 +83,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "the step; nvme = written as backward produces them (default %(default)s)",
     )
     zero.add_argument(
+        "--offload-fraction",
+        type=argtypes.fraction_or_auto,
+        default=d.offload_fraction,
+        metavar="F",
+        help="with --offload-optimizer: the fraction of the optimizer state offloaded, in "
+        "(0, 1]; the rest (the first layers) is stepped on the device; auto = what half of "
+        "the free device memory cannot hold (default %(default)s)",
+    )
+    zero.add_argument(
         "--offload-dir",
         metavar="DIR",
         default=d.offload_dir,
@@ -182,6 +191,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         offload_params=args.offload_params,
         offload_gradients=args.offload_gradients,
         offload_dir=args.offload_dir,
+        offload_fraction=args.offload_fraction,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),
@@ -241,7 +251,14 @@ def _alone(offload: OffloadConfig, field: str) -> OffloadConfig:
     params = offload.params if field == "params" else "none"
     gradients = offload.gradients if field == "gradients" else "device"
     path = offload.path if "nvme" in (optimizer, params, gradients) else None
-    return OffloadConfig(optimizer=optimizer, params=params, gradients=gradients, path=path)
+    fraction = offload.optimizer_fraction if field == "optimizer" else 1.0
+    return OffloadConfig(
+        optimizer=optimizer,
+        params=params,
+        gradients=gradients,
+        path=path,
+        optimizer_fraction=fraction,
+    )
 
 
 def _stage_takes(stage: int, offload: OffloadConfig) -> bool:

@@ -47,6 +47,7 @@ class TrainOptions:
     offload_params: str = "none"  # ZeroConfig.offload.params
     offload_gradients: str = "device"  # ZeroConfig.offload.gradients
     offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
+    offload_fraction: float | str = 1.0  # ZeroConfig.offload.optimizer_fraction
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -64,13 +65,15 @@ class TrainOptions:
         return max(MIN_AUTO_BUCKET_BYTES, min(DEFAULT_BUCKET_BYTES, param_bytes // 8))
 
     def offload_config(self) -> OffloadConfig:
-        """``--offload-optimizer``, ``--offload-params``, ``--offload-gradients`` and
-        ``--offload-dir``, validated (``ValueError`` with ``OffloadConfig``'s message)."""
+        """``--offload-optimizer``, ``--offload-params``, ``--offload-gradients``,
+        ``--offload-fraction`` and ``--offload-dir``, validated (``ValueError`` with
+        ``OffloadConfig``'s message)."""
         return OffloadConfig(
             optimizer=self.offload_optimizer,
             params=self.offload_params,
             gradients=self.offload_gradients,
             path=self.offload_dir,
+            optimizer_fraction=self.offload_fraction,
         )
 
     def zero_config(self, stage: int, param_bytes: int) -> ZeroConfig:
