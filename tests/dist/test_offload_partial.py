@@ -13,9 +13,21 @@ Stage 3's units are segments already: clipped runs are bitwise too.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from offloadtest import TIMEOUT, build_model, compare, model_loss, offload_config, train
+from offloadtest import (
+    TIMEOUT,
+    build_model,
+    compare,
+    differing,
+    full_params,
+    model_loss,
+    offload_config,
+    tiny_gpt,
+    train,
+)
 from zerotest import TOL, rank_world
 
 import zerodp
@@ -154,3 +166,88 @@ def test_the_kept_part_and_the_report(world, world_size):
             assert got == pytest.approx(want, abs=1e-12) and 0 < got < 1, (kind, stage)
             assert r["on_device"][0] == r["on_device"][1], (kind, stage)
             assert r["host"][0] == r["host"][1] + r["host_rest"], (kind, stage)
+
+
+# -- the state around the step: checkpoints, edits, parameters adopted later -------------------
+
+
+def _partial_run(stage: int, offload: str, frozen: bool = False):  # type: ignore[no-untyped-def]
+    """The tiny GPT in bf16 with ``offload`` ("none", "cpu", or "partial": half of the state on
+    the device); ``frozen``: ``blocks.1`` frozen at ``initialize``."""
+    model = tiny_gpt()
+    if frozen:
+        model.blocks[1].requires_grad_(False)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    extra = {"optimizer_fraction": 0.5} if offload == "partial" else {}
+    tier = "cpu" if offload == "partial" else offload
+    return model, zerodp.initialize(model, inner, offload_config(stage, "bf16", tier, **extra))[1]
+
+
+def _step(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
+    rank, world = rank_world()
+    opt.backward(model_loss("gpt", model, step, rank, world))
+    opt.step()
+    opt.zero_grad()
+
+
+def case_save_partial(root: str, stage: int, offload: str) -> dict[str, torch.Tensor]:
+    """Two steps with weight surgery between them, then a checkpoint."""
+    model, opt = _partial_run(stage, offload)
+    _step(model, opt, 0)
+    with zerodp.full_parameters(model):  # reaches the masters, wherever they are
+        model.blocks[0].mlp.c_fc.weight.data[:3].mul_(0.5)
+        model.blocks[-1].attn.c_proj.weight.data[:2].mul_(0.5)
+    _step(model, opt, 1)
+    zerodp.save_checkpoint(root, model, opt)  # right after a step
+    params = full_params(model)
+    opt.close()
+    return params
+
+
+def case_resume_partial(roots: list[str], stage: int) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for root in roots:
+        for offload in ("none", "partial", "cpu"):
+            model, opt = _partial_run(stage, offload)
+            zerodp.load_checkpoint(root, model, opt)
+            _step(model, opt, 2)
+            out[f"{Path(root).name} loaded with {offload}"] = full_params(model)
+            opt.close()
+    return out
+
+
+@pytest.mark.parametrize(("stage", "resume_world"), [(1, 1), (2, 1), (3, 1), (3, 2)])
+def test_checkpoints_and_edits_of_partly_offloaded_runs(world, tmp_path, stage, resume_world):
+    """Saved by 2 ranks without offload and with half of it offloaded (edits between the
+    steps): the same parameters; each checkpoint resumes without offload, partly and fully
+    offloaded, at world size ``resume_world``, to bitwise the same parameters."""
+    roots = [str(tmp_path / "none"), str(tmp_path / "partial")]
+    save = [(case_save_partial, r, stage, Path(r).name) for r in roots]
+    saved = [world(2).run(*args, timeout=TIMEOUT) for args in save]
+    assert differing(saved[0][0], saved[1][0]) == []
+    resumed = world(resume_world).run(case_resume_partial, roots, stage, timeout=TIMEOUT)[0]
+    (first, want), *others = resumed.items()
+    for what, got in others:
+        assert differing(want, got) == [], f"{what} differs from {first}"
+
+
+def _train_unfrozen(stage: int, offload: str) -> dict[str, torch.Tensor]:
+    model, opt = _partial_run(stage, offload, frozen=True)
+    for step in range(3):
+        if step == 1:
+            model.blocks[1].requires_grad_(True)
+        _step(model, opt, step)
+    params = full_params(model)
+    opt.close()
+    return params
+
+
+def case_unfrozen(stage: int) -> list[str]:
+    return differing(_train_unfrozen(stage, "none"), _train_unfrozen(stage, "partial"))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_unfrozen_later_train_exactly(world, stage):
+    """A block frozen at ``initialize`` and unfrozen after step 1 trains as without offload
+    (it is adopted into the offloaded part)."""
+    assert world(2).run(case_unfrozen, stage, timeout=TIMEOUT) == [[], []]
