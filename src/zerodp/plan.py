@@ -39,6 +39,7 @@ class Plan:
     offload_gradients: str  # stage 3: "device", or "nvme": the reduced shards wait in a file
     offload_fraction: float | str  # of the optimizer state, what is offloaded, or "auto"
     offload_ring: int  # host transfer buffers per direction (OffloadConfig.ring_buckets)
+    offload_grad_ring: bool  # the offloaded step's fp32 host gradient is a ring, not whole
     offload_path: str | None  # the "nvme" tier's directory
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
@@ -75,6 +76,7 @@ def resolve(config: ZeroConfig) -> Plan:
         offload_gradients=config.offload.gradients,
         offload_fraction=config.offload.optimizer_fraction,
         offload_ring=config.offload.ring_buckets,
+        offload_grad_ring=config.offload.host_gradient_ring,
         offload_path=config.offload.path,
     )
 

@@ -118,6 +118,7 @@ def test_offload_optimizer_cpu_trains_exactly_as_without_it(
         "gradients": "device",
         "path": None,
         "optimizer_fraction": 1.0,
+        "host_gradients": "auto",
         "ring_buckets": 4,
     }
     assert [m["rank"] for m in run["memory_report"]] == [0, 1]

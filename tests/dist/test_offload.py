@@ -59,6 +59,35 @@ def test_bitwise_parity_with_the_device_step(world, world_size, kind, precisions
     assert results == [[]] * world_size
 
 
+def case_host_gradients(root: str, kind: str) -> list[str]:
+    """The host gradient as a ring on the cpu tier, and whole on NVMe (``host_gradients``,
+    the other way round from their defaults): bitwise the device step, and the ring's bytes
+    are two slots (half of the two transfer rings of two slots each), the whole 4 B per
+    owned element."""
+    differ = []
+    for stage in STAGES:
+        for tier, how in (("cpu", "ring"), ("nvme", "full")):
+            path = root if tier == "nvme" else None
+            config = offload_config(
+                stage, "bf16", tier, path=path, ring_buckets=2, host_gradients=how
+            )
+            want, want_state, _ = train(kind, offload_config(stage, "bf16", "none"))
+            got, got_state, report = train(kind, config)
+            wrong = mismatch(want, want_state, got, got_state)
+            if wrong:
+                differ.append(f"stage {stage} {tier} {how}: {wrong}")
+            if tier == "cpu":  # in host memory: 4 B of fp32 masters per owned element
+                whole, ring = report.master_parameters, report.host_buffers // 2
+            if report.host_gradients != (whole if how == "full" else ring):
+                differ.append(f"stage {stage} {tier} {how}: {report.host_gradients} B")
+    return differ
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_host_gradient_ring_or_whole_is_exact(world, tmp_path, kind):
+    assert world(2).run(case_host_gradients, str(tmp_path), kind, timeout=TIMEOUT) == [[], []]
+
+
 # -- ordering: no bucket is read before its update landed, and the step does overlap ----------
 
 
@@ -189,16 +218,17 @@ def test_a_failed_copy_is_raised_by_the_next_reader_not_lost(world):
 # -- memory: exact host bytes --------------------------------------------------------------------
 
 
-def case_host_bytes(stage: int, precision: str) -> tuple[dict[str, int], int, int]:
+def case_host_bytes(
+    stage: int, precision: str, host_gradients: str
+) -> tuple[dict[str, int], int, int]:
     """The report after one step, and from the layout: the owned elements and the largest
     chunk (an owned bucket slice, cut every ``chunk_numel`` elements: [Note: offload
     chunks])."""
     rank, world = rank_world()
     model = tiny_gpt()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = zerodp.initialize(
-        model, inner, offload_config(stage, precision, "cpu", ring_buckets=3)
-    )
+    config = offload_config(stage, precision, "cpu", ring_buckets=3, host_gradients=host_gradients)
+    model, opt = zerodp.initialize(model, inner, config)
     opt.backward(model_loss("gpt", model, 0, rank, world))
     opt.step()
     regions = [b.region(rank).numel for seg in opt.engine.segments for b in seg.layout.buckets]
@@ -207,14 +237,20 @@ def case_host_bytes(stage: int, precision: str) -> tuple[dict[str, int], int, in
     return report, sum(regions), min(max(regions), chunk_numel(opt.engine.plan.bucket_bytes))
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "bf16"), (3, "bf16")])
-def test_host_bytes_are_exact(world, stage, precision):
+@pytest.mark.parametrize(
+    ("stage", "precision", "host_gradients"),
+    [(1, "fp32", "auto"), (2, "bf16", "full"), (3, "bf16", "auto"), (2, "bf16", "ring")],
+)
+def test_host_bytes_are_exact(world, stage, precision, host_gradients):
     """Host: fp32 masters, Adam's two moments and an fp32 gradient of the owned slices (16 B per
     owned element, step counters aside) plus 2 rings of 3 slots, each the largest chunk in fp32
-    (stage 3's unit slices are cut into several); the device keeps no optimizer state."""
-    for r, owned, largest in world(2).run(case_host_bytes, stage, precision, timeout=TIMEOUT):
+    (stage 3's unit slices are cut into several); the device keeps no optimizer state. With
+    ``host_gradients="ring"`` the fp32 gradient is 3 such slots instead of the whole."""
+    args = (case_host_bytes, stage, precision, host_gradients)
+    for r, owned, largest in world(2).run(*args, timeout=TIMEOUT):
         assert r["master_parameters"] == 4 * owned
-        assert r["host_gradients"] == 4 * owned
+        ring = host_gradients == "ring"
+        assert r["host_gradients"] == (3 * 4 * largest if ring else 4 * owned)
         moments = r["optimizer_state"] - r["master_parameters"] - r["optimizer_scalar_bytes"]
         assert moments == 8 * owned
         assert r["host_buffers"] == 2 * 3 * 4 * largest

@@ -109,6 +109,14 @@ def test_offload_fraction_reaches_the_config(text: str, value: float | str) -> N
     assert _parse().offload_fraction == 1.0
 
 
+@pytest.mark.parametrize("how", ["full", "ring"])
+def test_offload_host_gradients_reach_the_config(how: str) -> None:
+    o = _parse("--stage", "2", "--offload-optimizer", "cpu", "--offload-host-gradients", how)
+    want = OffloadConfig(optimizer="cpu", host_gradients=how)
+    assert o.zero_config(2, param_bytes=10**9).offload == want
+    assert _parse().offload_host_gradients == "auto"
+
+
 def test_params_cpu_at_stage_3() -> None:
     o = _parse("--stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu")
     want = OffloadConfig(optimizer="cpu", params="cpu")

@@ -227,7 +227,12 @@ NON_DEFAULT = ZeroConfig(
         check_unit_order=False,
     ),
     offload=OffloadConfig(
-        optimizer="nvme", params="nvme", gradients="nvme", path="/tmp/zerodp", ring_buckets=2
+        optimizer="nvme",
+        params="nvme",
+        gradients="nvme",
+        path="/tmp/zerodp",
+        ring_buckets=2,
+        host_gradients="full",
     ),
 )
 # Partial offload keeps gradients on the device: its field is set in a second configuration.

@@ -17,6 +17,7 @@ import pytest
 
 from zerodp import OffloadConfig, ZeroConfig
 from zerodp.config.offload import check_offload_stage
+from zerodp.plan import resolve
 
 
 def _message(make: Callable[[], object]) -> str:
@@ -149,6 +150,40 @@ def test_partial_offload_at_every_stage(stage: int, value: float | str) -> None:
     assert ZeroConfig.from_dict(config.to_dict()) == config
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "ring"),
+    [
+        ({"optimizer": "cpu"}, False),
+        ({"optimizer": "nvme", "path": "/x"}, True),
+        ({"optimizer": "cpu", "host_gradients": "ring"}, True),
+        ({"optimizer": "nvme", "path": "/x", "host_gradients": "full"}, False),
+        ({"optimizer": "cpu", "host_gradients": "full"}, False),
+    ],
+)
+def test_host_gradients_resolve_by_tier(kwargs: dict[str, Any], ring: bool) -> None:
+    assert OffloadConfig(**kwargs).host_gradient_ring is ring
+    plan = resolve(ZeroConfig(stage=2, offload=OffloadConfig(**kwargs)))
+    assert plan.offload_grad_ring is ring
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"host_gradients": "ring"},
+            "ZeroConfig.offload.host_gradients='ring' is only used by the offloaded step, but "
+            "ZeroConfig.offload.optimizer='none': drop it or offload the optimizer",
+        ),
+        (
+            {"optimizer": "cpu", "host_gradients": "half"},
+            "ZeroConfig.offload.host_gradients must be one of 'auto', 'full', 'ring'; got 'half'",
+        ),
+    ],
+)
+def test_host_gradients_rules(kwargs: dict[str, Any], message: str) -> None:
+    assert _message(lambda: OffloadConfig(**kwargs)) == message
+
+
 def test_valid_offload_configs() -> None:
     assert OffloadConfig() == OffloadConfig(
         optimizer="none", params="none", gradients="device", path=None, ring_buckets=4
@@ -278,7 +313,12 @@ def test_from_dict_nested_offload_and_round_trip(tmp_path: Path) -> None:
         optimizer="nvme", params="nvme", gradients="nvme", path="/x", ring_buckets=4
     )
     d = config.to_dict()
-    assert d["offload"] == {**NVME, "ring_buckets": 4, "optimizer_fraction": 1.0}
+    assert d["offload"] == {
+        **NVME,
+        "ring_buckets": 4,
+        "optimizer_fraction": 1.0,
+        "host_gradients": "auto",
+    }
     assert ZeroConfig.from_dict(d) == config
     path = tmp_path / "zero.json"
     path.write_text(json.dumps(d), encoding="utf-8")
@@ -295,7 +335,8 @@ def test_unknown_offload_field_is_refused() -> None:
     values = {"stage": 2, "offload": {"optimiser": "cpu", "pin_memory": True}}
     assert _message(lambda: ZeroConfig.from_dict(values)) == (
         "ZeroConfig.offload got unknown field(s) ['optimiser', 'pin_memory']; allowed fields: "
-        "['gradients', 'optimizer', 'optimizer_fraction', 'params', 'path', 'ring_buckets']"
+        "['gradients', 'host_gradients', 'optimizer', 'optimizer_fraction', 'params', 'path', "
+        "'ring_buckets']"
     )
 
 

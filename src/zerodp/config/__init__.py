@@ -6,7 +6,7 @@
 ``legacy.py``: the flat names of 0.1, deprecated ([Note: flat names]).
 """
 
-from zerodp.config.offload import GRADIENT_TIERS, TIERS, OffloadConfig
+from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS, OffloadConfig
 from zerodp.config.policies import (
     NONFINITE,
     PRECISIONS,
@@ -19,6 +19,7 @@ from zerodp.config.zero import STAGES, STEP_WITHOUT_BACKWARD, ZeroConfig
 
 __all__ = [
     "GRADIENT_TIERS",
+    "HOST_GRADIENTS",
     "NONFINITE",
     "PRECISIONS",
     "REDUCE_DTYPES",

@@ -16,6 +16,7 @@ from zerodp.config.nesting import Policy
 
 TIERS = ("none", "cpu", "nvme")
 GRADIENT_TIERS = ("device", "nvme")
+HOST_GRADIENTS = ("auto", "full", "ring")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +58,15 @@ class OffloadConfig(Policy):
     holds (1.0 on a CPU-only machine, where the device is host memory). Exact at every
     fraction. Needs ``optimizer`` offloaded, and the gradients on the device."""
 
+    host_gradients: str = "auto"
+    """How the offloaded step holds the fp32 gradients it steps in host memory. ``"full"``: a
+    copy of this rank's whole offloaded gradient (4 B per parameter), so ``step()`` returns as
+    soon as the gradients are copied out and the CPU step overlaps the next forward. ``"ring"``:
+    ``ring_buckets`` chunks only, so host memory holds 4 B per parameter less, and ``step()``
+    returns when all but the last ``ring_buckets`` chunks are stepped (the device keeps its
+    gradients until the host has pulled them). ``"auto"``: ``"full"`` for ``optimizer="cpu"``,
+    ``"ring"`` for ``"nvme"`` (whose point is host memory). Needs ``optimizer`` offloaded."""
+
     ring_buckets: int = 4
     """Host transfer buffers per direction, each one bucket's owned slice: what bounds the
     pinned memory of the copies (the gradients to the host, the updated parameters back)."""
@@ -65,8 +75,15 @@ class OffloadConfig(Policy):
         check_choice(self, "optimizer", TIERS)
         check_choice(self, "params", TIERS)
         check_choice(self, "gradients", GRADIENT_TIERS)
+        check_choice(self, "host_gradients", HOST_GRADIENTS)
         check_positive_int(self, "ring_buckets")
         _check_fraction(self)
+        if self.host_gradients != "auto" and self.optimizer == "none":
+            raise ValueError(
+                f"{field_path(self, 'host_gradients')}={self.host_gradients!r} is only used by "
+                f"the offloaded step, but {field_path(self, 'optimizer')}='none': drop it or "
+                "offload the optimizer"
+            )
         nvme = "nvme" in (self.optimizer, self.params, self.gradients)
         if self.path is not None and not isinstance(self.path, str):
             raise ValueError(f"{field_path(self, 'path')} must be a directory; got {self.path!r}")
@@ -94,6 +111,13 @@ class OffloadConfig(Policy):
     @property
     def gradients_offloaded(self) -> bool:
         return self.gradients != "device"
+
+    @property
+    def host_gradient_ring(self) -> bool:
+        """The offloaded step's host gradient is a ring (``host_gradients``, resolved)."""
+        if self.host_gradients == "auto":
+            return self.optimizer == "nvme"
+        return self.host_gradients == "ring"
 
 
 def _check_fraction(offload: OffloadConfig) -> None:

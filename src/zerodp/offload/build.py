@@ -76,4 +76,4 @@ def offload_step(
         device = check()
     chunk = chunk_numel(plan.bucket_bytes)
     args = (segments, pieces, masters, device, landing, order, plan.offload_ring, chunk)
-    return OffloadStep(*args, swap, home, spill)
+    return OffloadStep(*args, swap, home, spill, grad_ring=plan.offload_grad_ring)

@@ -34,6 +34,13 @@ scaling and clip products, the same element-wise optimizer kernel, the same cast
 parameters are bitwise those of the device step wherever the kernels are the same (on CPU) and
 within the fp32 tolerance otherwise. Host memory: 12 B/param of masters and Adam state plus
 4 B/param of fp32 gradient (this rank's slices), plus the rings.
+
+With ``OffloadConfig.host_gradients="ring"`` (the default on NVMe) the fp32 gradient is a ring
+of ``ring_buckets`` chunks instead: 4 B/param less. A chunk is unpacked into a slot only once
+the step of the chunk ``ring_buckets`` before it is done, so ``step`` (which returns once every
+gradient is unpacked, that is once the device gradients may change) returns when all but the
+last ``ring_buckets`` chunks are stepped: the CPU step then overlaps only the start of the next
+forward.
 """
 
 from __future__ import annotations
@@ -78,7 +85,11 @@ class OffloadStep:
         swap: Callable[[list[HostChunk]], SwapStore] | None = None,
         home: ShardHome | None = None,
         spill: GradSpill | None = None,
+        *,
+        grad_ring: bool = False,
     ) -> None:
+        """``grad_ring``: the host fp32 gradient is ``slots`` chunks, not the whole
+        (``OffloadConfig.host_gradients``)."""
         self.segments = segments
         self.pieces = pieces
         self.masters = masters
@@ -88,9 +99,10 @@ class OffloadStep:
         self.chunks = host_chunks(segments, pieces, masters.rank, order, chunk)
         offset = sum(c.numel for c in self.chunks)
         largest = max((c.numel for c in self.chunks), default=0)
-        # On NVMe ([Note: optimizer state on NVMe]) the host fp32 gradient is a ring too.
         self.swap = swap(self.chunks) if swap is not None else None
-        self.grad_slots = slots if self.swap is not None else 0
+        # A ring (the default on NVMe: [Note: optimizer state on NVMe]) holds 4 B/param less;
+        # the chunk ``slots`` ahead is unpacked into a slot once its last step is done.
+        self.grad_slots = slots if grad_ring else 0
         self._grad_slot = largest  # elements per gradient ring slot
         grad_numel = largest * slots if self.grad_slots else offset
         self.host_grad = torch.empty(grad_numel, dtype=torch.float32)

@@ -30,7 +30,15 @@ from zerodp.apps.train.options import (
     TrainOptions,
     under_torchrun,
 )
-from zerodp.config import GRADIENT_TIERS, PRECISIONS, STAGES, TIERS, OffloadConfig, ZeroConfig
+from zerodp.config import (
+    GRADIENT_TIERS,
+    HOST_GRADIENTS,
+    PRECISIONS,
+    STAGES,
+    TIERS,
+    OffloadConfig,
+    ZeroConfig,
+)
 
 _DEFAULTS = TrainOptions()
 
@@ -90,6 +98,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="with --offload-optimizer: the fraction of the optimizer state offloaded, in "
         "(0, 1]; the rest (the first layers) is stepped on the device; auto = what half of "
         "the free device memory cannot hold (default %(default)s)",
+    )
+    zero.add_argument(
+        "--offload-host-gradients",
+        choices=HOST_GRADIENTS,
+        default=d.offload_host_gradients,
+        help="with --offload-optimizer: full = a host copy of the whole fp32 gradient (the CPU "
+        "step overlaps the next forward); ring = a few chunks (4 B/param less host memory); "
+        "auto = full for cpu, ring for nvme (default %(default)s)",
     )
     zero.add_argument(
         "--offload-dir",
@@ -192,6 +208,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         offload_gradients=args.offload_gradients,
         offload_dir=args.offload_dir,
         offload_fraction=args.offload_fraction,
+        offload_host_gradients=args.offload_host_gradients,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),
@@ -258,6 +275,7 @@ def _alone(offload: OffloadConfig, field: str) -> OffloadConfig:
         gradients=gradients,
         path=path,
         optimizer_fraction=fraction,
+        host_gradients=offload.host_gradients,
     )
 
 

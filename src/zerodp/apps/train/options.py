@@ -48,6 +48,7 @@ class TrainOptions:
     offload_gradients: str = "device"  # ZeroConfig.offload.gradients
     offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
     offload_fraction: float | str = 1.0  # ZeroConfig.offload.optimizer_fraction
+    offload_host_gradients: str = "auto"  # ZeroConfig.offload.host_gradients
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -66,14 +67,15 @@ class TrainOptions:
 
     def offload_config(self) -> OffloadConfig:
         """``--offload-optimizer``, ``--offload-params``, ``--offload-gradients``,
-        ``--offload-fraction`` and ``--offload-dir``, validated (``ValueError`` with
-        ``OffloadConfig``'s message)."""
+        ``--offload-fraction``, ``--offload-host-gradients`` and ``--offload-dir``, validated
+        (``ValueError`` with ``OffloadConfig``'s message)."""
         return OffloadConfig(
             optimizer=self.offload_optimizer,
             params=self.offload_params,
             gradients=self.offload_gradients,
             path=self.offload_dir,
             optimizer_fraction=self.offload_fraction,
+            host_gradients=self.offload_host_gradients,
         )
 
     def zero_config(self, stage: int, param_bytes: int) -> ZeroConfig:
