@@ -8,7 +8,7 @@ reductions, the non-finite check and gradient clipping stay on the device, uncha
 check and the global norm are computed from the reduced shards *before* any update (they are
 cheap there, and a step that is skipped or clipped must be known before the first bucket is
 stepped). Then ``step`` sends every bucket's owned region, cut into *chunks* of at most a bucket
-([Note: offload chunks] in chunks.py), through a pipeline of four queues, in the order the next
+([Note: offload chunks] in chunks.py), through a pipeline of five queues, in the order the next
 forward needs the buckets (``ParamSync.update_order``):
 
 1. ``d2h`` (a device stream): copy the chunk's reduced gradient into a host ring slot;
@@ -16,9 +16,10 @@ forward needs the buckets (``ParamSync.update_order``):
    times 1/loss scale and each clip coefficient not applied on the device yet, exactly as the
    device step fills its fp32 scratch; the ring slot is free again, and the copy of the chunk
    ``slots`` ahead into it is queued from here (so the ring bounds the pinned memory);
-3. ``optimizer`` (a host worker): step the chunk's used pieces ([Note: host optimizer step]),
-   cast the updated masters into an outgoing ring slot;
-4. ``h2d`` (a device stream): copy the slot into the chunk's region of the parameters.
+3. ``optimizer`` (a host worker): step the chunk's used pieces ([Note: host optimizer step]);
+4. ``cast`` (a host worker): cast the updated masters into an outgoing ring slot (a worker of
+   its own, so that CPU Adam, the slowest stage, steps the next chunk meanwhile);
+5. ``h2d`` (a device stream): copy the slot into the chunk's region of the parameters.
 
 The CPU implementation of the streams runs each queue on a thread, the CUDA one queues the
 copies on side streams and the host work on threads: one code path ([Note: streams]).
@@ -176,8 +177,10 @@ class OffloadStep:
         inv_scale: float,
         used: list[list[bool]],
     ) -> None:
-        if self.swap is not None:  # the last step's writes are done (raises what failed)
-            self.landing.wait_all()
+        # The last step's updates landed (raises what failed): its casts read the masters
+        # this step writes.
+        self.landing.wait_all()
+        if self.swap is not None:  # and its writes are done
             self.swap.wait()
         if self.home is not None:  # what it read ahead is about to change
             self.home.invalidate()
@@ -225,9 +228,11 @@ class _StepRun:
         self.d2h, self.h2d = streams.side("offload-d2h"), streams.side("offload-h2d")
         self.unpacker = streams.host("offload-unpack")
         self.optimizer = streams.host("offload-optimizer")
+        self.caster = streams.host("offload-cast")
         self.fetched: list[Event | None] = [None] * len(work)
         self.copied: list[Event | None] = [None] * len(work)
-        self.updated: list[Event | None] = [None] * len(work)
+        self.updated: list[Event | None] = [None] * len(work)  # stepped
+        self.casted: list[Event | None] = [None] * len(work)  # landed: result is the copy
         self.swapped: list[Event | None] = [None] * len(work)  # NVMe: read into its slot
         if runner.swap is not None:  # worker threads start on first use: only on NVMe
             self.reader = streams.host("offload-read")
@@ -248,9 +253,10 @@ class _StepRun:
         unpacked: Event | None = None
         for k, chunk in enumerate(self.work):
             unpacked = self.unpacker.submit(partial(self._unpack, k))
-            stepped = self.optimizer.submit(partial(self._update, k, unpacked))
-            self.updated[k] = stepped
-            self.r.landing.expect(chunk.seg, chunk.bucket, stepped)
+            self.updated[k] = self.optimizer.submit(partial(self._update, k, unpacked))
+            casted = self.caster.submit(partial(self._cast, k))
+            self.casted[k] = casted
+            self.r.landing.expect(chunk.seg, chunk.bucket, casted)
         assert unpacked is not None
         return unpacked
 
@@ -284,11 +290,16 @@ class _StepRun:
         if ahead < len(self.work):  # this slot is free again
             self.fetched[ahead] = self._fetch(ahead)
 
-    def _update(self, k: int, unpacked: Event) -> Event | None:
+    def _update(self, k: int, unpacked: Event) -> None:
+        """The optimizer worker: step chunk ``k``'s used pieces."""
         unpacked.wait()
         c = self.work[k]
         swap = self.r.swap
         if swap is not None:
+            if k >= swap.slots:  # the cast that queued this slot's read has run
+                before = self.casted[k - swap.slots]
+                assert before is not None
+                before.wait()
             swapped = self.swapped[k]
             assert swapped is not None
             swapped.wait()
@@ -297,6 +308,15 @@ class _StepRun:
         grad = self.r.host_gradient(k, c)
         pieces = [self.r.pieces[i] for i, _, _ in mine]
         self.stepper.step(pieces, [grad.narrow(0, off, n) for _, off, n in mine])
+
+    def _cast(self, k: int) -> Event | None:
+        """The cast worker: chunk ``k``'s updated masters into the parameters (so the CPU's
+        next Adam chunk runs meanwhile); on NVMe, then written back. The event of the copy."""
+        stepped = self.updated[k]
+        assert stepped is not None
+        stepped.wait()
+        c = self.work[k]
+        swap = self.r.swap
         slots = self.r.outgoing.slots
         if k >= slots:  # the copy that last used this slot
             previous = self.copied[k - slots]
