@@ -30,8 +30,10 @@ def test_cli_prints_the_three_models_and_the_largest_fit(
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1.3B"], ["13B"])]
     assert {r[0] for r in rows} == {"1.3B", "13B"}
     assert any(line.startswith("6.7B ") for line in out.splitlines())
-    built_cpu = next(r for r in rows if r[0] == "1.3B" and "optimizer=cpu" in r)
-    assert built_cpu[-5:] == ["yes", "0.319", "cpu", "adam", "yes"]  # fits, s/step, ..., built
+    cpu = next(r for r in rows if r[0] == "1.3B" and "optimizer=cpu" in r)
+    assert cpu[-4:] == ["yes", "0.283", "cpu", "adam"]  # fits, s/step, bottleneck
+    best_13b = next(r for r in rows if r[0] == "13B" and r[2].startswith("*"))
+    assert best_13b[2:6] == ["*optimizer=cpu:0.82", "hostgrad=ring", "s2", "ckpt"]
     assert "Largest GPT (hidden = 128 x layers) that fits without NVMe" in out
     assert "12.75B (40 layers x 5120)" in out
 
@@ -53,7 +55,7 @@ def test_cli_json_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["machine"]["cpu_adam_params_per_s"] == 1e9
     (row,) = data["rows"]
     assert row["bytes"]["host"]["total"] == 16e9 + RINGS_WORLD_1
-    assert row["placement"]["built"] is True
+    assert row["placement"]["host_gradients"] == "auto"
     assert row["components_s"]["cpu adam"] == pytest.approx(1.0)
     assert row["bottleneck"] == "cpu adam"
 
@@ -66,7 +68,15 @@ def test_cli_gradients_on_nvme(capsys: pytest.CaptureFixture[str]) -> None:
     assert row["placement"]["gradients"] == "nvme" and row["placement"]["stage"] == 3
     assert row["bytes"]["nvme"]["gradients"] == 2e9
     assert "gradients" not in row["bytes"]["device"]
-    assert row["placement"]["built"] is True
+
+
+def test_cli_host_gradient_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--offload", "--params", "1e9", "--offload-optimizer", "cpu", "--json"]
+    data = json.loads(_estimate(capsys, *argv, "--offload-host-gradients", "ring"))
+    (row,) = data["rows"]
+    assert row["placement"]["host_gradients"] == "ring"
+    assert "gradients" not in row["bytes"]["host"]
+    assert row["bytes"]["host"]["gradient ring"] == 4 * 4 * 16_777_216
 
 
 def test_cli_offload_flags_need_offload(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ measurements). The command and the measurements: test_cli_estimate_offload.py.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -112,7 +113,7 @@ def test_gradients_on_nvme_leave_nothing_on_the_device_but_units() -> None:
     assert b.device.get("gradients") == b.device.get("parameters") == 0.0
     assert b.host.get("gradient spill slots") == 4 * 2 * 16_777_216  # 4 slots of one bucket
     assert b.host.get("gradient ring") == 4 * 4 * 16_777_216  # the step's fp32 unpack ring
-    assert p.built and p.label() == "optimizer=nvme params=nvme grads=nvme s3"
+    assert p.label() == "optimizer=nvme params=nvme grads=nvme s3"
 
 
 def test_built_offloaded_params_keep_the_gradient_shards_on_the_device() -> None:
@@ -125,16 +126,17 @@ def test_built_offloaded_params_keep_the_gradient_shards_on_the_device() -> None
 
 
 def test_params_and_part_of_the_optimizer_offloaded() -> None:
+    """Partial offload at stage 3 keeps whole units, state and shards, on the device."""
     shape = gpt3_shape("1.3B")
     w = Workload.gpt(shape)
     psi, unit = w.num_params, float(gpt_largest_unit_params(shape))
     b = tier_bytes(w, Placement(optimizer="cpu", params="cpu", optimizer_fraction=0.25, stage=3))
-    assert b.host.get("parameters") == 2 * psi
+    assert b.host.get("parameters") == 2 * 0.25 * psi
     assert b.host.get("optimizer state") == 12 * 0.25 * psi
-    assert b.host.get("gradients") == 2 * 0.25 * psi  # compute dtype, until the check
+    assert b.host.get("gradients") == 4 * 0.25 * psi  # fp32, of the offloaded part
     assert b.host.get("parameter staging") == 2 * unit * 2
-    assert b.device.get("parameters") == 0.0
-    assert b.device.get("gradients") == 2 * 0.75 * psi
+    assert b.device.get("parameters") == 2 * 0.75 * psi
+    assert b.device.get("gradients") == 2 * psi  # every reduced shard, until the step
     assert b.device.get("optimizer state") == 12 * 0.75 * psi
     assert b.device.get("gathered units") == 2 * unit * 2
     assert b.device.get("unit gradients") == unit * 2
@@ -154,18 +156,32 @@ def test_params_and_part_of_the_optimizer_offloaded() -> None:
     ids=lambda p: p.label(),
 )
 def test_exact_adam_is_16_bytes_per_param_across_tiers(placement: Placement) -> None:
-    # Parameters, gradients, masters and moments wherever they rest: 2 + 2 + 12 per parameter.
+    # Parameters, gradients, masters and moments wherever they rest: 2 + 2 + 12 per parameter,
+    # besides the offloaded step's fp32 host gradient (whole by default on the cpu tier).
     w = Workload(num_params=3e9, tokens=4096)
     b = tier_bytes(w, placement)
     states = ("parameters", "gradients", "optimizer state")
-    total = sum(tier.get(name) for tier in (b.device, b.host, b.nvme) for name in states)
+    total = sum(tier.get(name) for tier in (b.device, b.nvme) for name in states)
+    total += b.host.get("parameters") + b.host.get("optimizer state")
     assert total == pytest.approx(16 * 3e9, rel=1e-12)
+    whole = placement.host_gradient == "fp32"
+    assert b.host.get("gradients") == (4 * placement.offloaded * 3e9 if whole else 0.0)
 
 
-def test_built_path_adds_a_4_byte_host_gradient() -> None:
-    b = tier_bytes(Workload(num_params=3e9, tokens=4096), Placement(optimizer="cpu"))
+@pytest.mark.parametrize(("fraction", "how"), [(1.0, "auto"), (0.5, "auto"), (0.5, "ring")])
+def test_the_host_gradient_is_fp32_of_the_offloaded_part_or_a_ring(
+    fraction: float, how: str
+) -> None:
+    w = Workload(num_params=3e9, tokens=4096)
+    p = Placement(optimizer="cpu", optimizer_fraction=fraction, host_gradients=how)
+    b = tier_bytes(w, p)
     states = ("parameters", "gradients", "optimizer state")
-    assert sum(t.get(n) for t in (b.device, b.host) for n in states) == 20 * 3e9
+    ring = how == "ring"
+    assert b.host.get("gradients") == (0.0 if ring else 4 * fraction * 3e9)
+    assert b.host.get("gradient ring") == (4 * 4 * 16_777_216 if ring else 0.0)
+    assert sum(t.get(n) for t in (b.device, b.host) for n in states) == pytest.approx(
+        (16 + (0 if ring else 4 * fraction)) * 3e9, rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -188,19 +204,20 @@ def test_placement_rules() -> None:
         Placement(optimizer="cpu", stage=0)
     with pytest.raises(ValueError, match="needs an offloaded optimizer"):
         Placement(optimizer_fraction=0.5)
-    assert Placement(optimizer="cpu").built and Placement().built
-    assert not Placement(optimizer="cpu", optimizer_fraction=0.5).built
-    assert Placement(optimizer="nvme").built
-    assert not Placement(optimizer="nvme", optimizer_fraction=0.5).built
+    with pytest.raises(ValueError, match="host_gradients needs an offloaded optimizer"):
+        Placement(host_gradients="ring")
+    with pytest.raises(ValueError, match=r"host_gradients must be one of auto, full, ring"):
+        Placement(optimizer="cpu", host_gradients="half")
+    with pytest.raises(ValueError, match=r"need the whole optimizer offloaded \(fraction 1\)"):
+        Placement(optimizer="cpu", gradients="nvme", optimizer_fraction=0.5, stage=3)
     with pytest.raises(ValueError, match="gradients on NVMe need stage 3"):
         Placement(optimizer="cpu", gradients="nvme", stage=2)
     with pytest.raises(ValueError, match="and an offloaded optimizer"):
         Placement(gradients="nvme", stage=3)
     with pytest.raises(ValueError, match=r"Placement\.gradients must be one of device, nvme"):
         Placement(optimizer="cpu", gradients="cpu", stage=3)
-    assert not Placement(params="cpu", stage=3).built  # refused without optimizer offload
-    assert Placement(optimizer="cpu", params="cpu", stage=3).built
-    assert Placement(optimizer="nvme", params="nvme", stage=3).built
+    with pytest.raises(ValueError, match="offloaded parameters need an offloaded optimizer"):
+        Placement(params="cpu", stage=3)  # refused by initialize too
 
 
 # -- step time -----------------------------------------------------------------------------------
@@ -256,11 +273,12 @@ def test_compute_bound_offload() -> None:
 
 
 def test_cpu_adam_bound_offload() -> None:
-    # Adam 5 s + cast 1.5 s on one worker, plus one bucket of the other stages and of forward.
+    # Adam 5 s, plus one bucket of the other stages (d2h 2, upcast 1.5, cast 1.5 on a worker
+    # of its own, h2d 2) and of the forward.
     m = _round_machine(cpu_adam_params_per_s=0.2e9)
     assert _path(ROUND, Placement(optimizer="cpu"), m) == [
         ("backward", "compute", 4.0),
-        ("offloaded step", "cpu adam", 6.5 + (2 + 1.5 + 2) / 10 + 0.2),
+        ("offloaded step", "cpu adam", 5 + (2 + 1.5 + 1.5 + 2) / 10 + 0.2),
     ]
     assert predict_step(ROUND, Placement(optimizer="cpu"), m).bottleneck == "cpu adam"
 
@@ -301,12 +319,33 @@ def test_gradients_on_nvme_are_written_in_the_backward_and_read_by_the_step() ->
 
 
 def test_partial_offload_steps_part_on_the_device() -> None:
-    # Half on the device (0.02 s) then the forward (2 s) beat the host's half:
-    # 1.25 + (1 + 0.75 + 1) / 5 + 0.2 = 2.0 s.
+    # Half on the device (0.02 s) first; then the device waits for the offloaded half's
+    # gradients on the host (d2h 1 s, upcast 0.75 s over 5 buckets: 1.15 s) and runs the
+    # forward (2 s), longer than the host's half: 0.02 + 1 + (0.5 + 0.75 + 0.75 + 1) / 5 + 0.2.
     p = Placement(optimizer="cpu", optimizer_fraction=0.5)
     assert _path(ROUND, p, _round_machine()) == [
         ("backward", "compute", 4.0),
         ("device step", "device step", 0.02),
+        ("gradients to host", "pcie d2h", 1.15),
+        ("forward", "compute", 2.0),
+    ]
+
+
+def test_a_host_gradient_ring_holds_the_forward_back() -> None:
+    # step() returns when all but the last 4 of 10 chunks are stepped: the host's chain,
+    # Adam 2.5 s + (2 + 1.5 + 1.5 + 2) / 10 = 3.2 s, less 4 chunks of Adam (1 s); then the
+    # forward (2 s), longer than the last chunks and the tail. With the whole host gradient
+    # step() returns after the d2h copies instead (2 + 1.5 / 10 s): 0.05 s sooner here.
+    m = _round_machine(cpu_adam_params_per_s=0.4e9)
+    p = Placement(optimizer="cpu", host_gradients="ring")
+    assert _path(ROUND, p, m) == [
+        ("backward", "compute", 4.0),
+        ("offloaded step to its last chunks", "cpu adam", 2.2),
+        ("forward", "compute", 2.0),
+    ]
+    assert _path(ROUND, Placement(optimizer="cpu"), m) == [
+        ("backward", "compute", 4.0),
+        ("gradients to host", "pcie d2h", 2.15),
         ("forward", "compute", 2.0),
     ]
 
@@ -340,19 +379,16 @@ def test_predicted_1_3b_cpu_offload_on_h100() -> None:
     # Host: exactly 16 B/param of model states plus the fixed rings (0.42 B/param at 1.3B).
     assert pr.bytes.host.total - pr.bytes.host.get("transfer rings") == 16 * w.num_params
     assert pr.bytes.host.get("transfer rings") == RINGS_WORLD_1
-    # 48 ms backward + 232 ms CPU Adam + 37 ms cast + heads: 0.319 s, CPU-Adam bound, 1.9x
-    # faster than FSDP2's offload measured on that box.
-    assert pr.time.seconds == pytest.approx(0.3189, abs=1e-4)
+    # 48 ms backward + 232 ms CPU Adam (the cast on a worker of its own) + one bucket of the
+    # other stages and of the forward: 0.283 s, CPU-Adam bound, 2.2x faster than FSDP2's
+    # offload measured on that box.
+    assert pr.time.seconds == pytest.approx(0.2826, abs=1e-4)
     assert pr.time.bottleneck == "cpu adam"
-    assert FSDP2_OFFLOAD_1_3B_S / pr.time.seconds > 1.9
+    assert FSDP2_OFFLOAD_1_3B_S / pr.time.seconds > 2.1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the issue's target: 1.3B <= 0.30 s/step. This model predicts 0.319 s for the built "
-    "pipeline (CPU Adam and the cast back to bf16 on one worker after the backward)",
-)
 def test_target_1_3b_cpu_offload_at_most_0_30_s() -> None:
+    """The issue's target, as this model predicts it (not measured: no GPU here)."""
     w = Workload.gpt(gpt3_shape("1.3B"))
     assert predict(w, Placement(optimizer="cpu"), H100_BOX).time.seconds <= 0.30
 
@@ -363,13 +399,20 @@ def test_predicted_13b_fits_one_h100_box_without_nvme() -> None:
     assert not predict(w, Placement(optimizer="cpu"), H100_BOX).fits  # host: 190 GiB
     best = cheapest_fit(w, H100_BOX)  # exact fp32 Adam; NVMe not allowed
     assert best is not None
+    # 18% of the optimizer state on the device, the host gradient a ring (whole, the host
+    # would need 4 B more per offloaded parameter: 39 GiB), the model's own checkpointing.
     assert best.placement == Placement(
-        optimizer="cpu", optimizer_fraction=0.82, stage=2, checkpointing=True
+        optimizer="cpu",
+        optimizer_fraction=0.82,
+        stage=2,
+        checkpointing=True,
+        host_gradients="ring",
     )
     assert best.bytes.nvme.total == 0.0
     assert best.bytes.device.total <= H100_BOX.device_usable_bytes
     assert best.bytes.host.total <= H100_BOX.host_usable_bytes
-    assert best.time.seconds == pytest.approx(2.925, abs=1e-3)
+    assert not predict(w, replace(best.placement, host_gradients="full"), H100_BOX).fits_host
+    assert best.time.seconds == pytest.approx(2.881, abs=1e-3)
 
 
 def test_predicted_largest_gpt_on_h100_without_nvme() -> None:

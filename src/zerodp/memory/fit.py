@@ -3,10 +3,11 @@ largest GPT that fits with exact fp32 Adam.
 
 Every placement here is exact mixed-precision Adam (fp32 masters and moments, the same update
 as without offload); they differ only in where the bytes rest and so in time. The search tries
-the optimizer on the device, in host memory or on NVMe, the parameters on the device (any
-stage) or offloaded (stage 3), with and without activation checkpointing, and for a partly
-offloaded optimizer the smallest fraction (on a 1% grid) that fits the device: the device
-steps faster than the CPU, so keeping more there is never slower.
+the optimizer on the device, in host memory or on NVMe (each with the host gradient whole or a
+ring), the parameters on the device (any stage) or offloaded with the optimizer (stage 3), with
+and without activation checkpointing, and for a partly offloaded optimizer the smallest
+fraction (on a 1% grid) that fits the device: the device steps faster than the CPU, so keeping
+more there is never slower.
 """
 
 from __future__ import annotations
@@ -107,29 +108,33 @@ def candidates(
     tiers = ("cpu", "nvme") if allow_nvme else ("cpu",)
     ckpts = (False, True) if checkpointing is None else (checkpointing,)
     for ckpt in ckpts:
+        yield Placement(stage=stage, checkpointing=ckpt)  # no offload
         for params in ("none", *tiers):
             st = 3 if params != "none" else stage
-            yield Placement(params=params, stage=st, checkpointing=ckpt)
             for optimizer in tiers:
                 if st == 0:
                     continue
-                full = Placement(optimizer=optimizer, params=params, stage=st, checkpointing=ckpt)
-                yield full
-                if st == 3 and allow_nvme:  # the gradient shards off the device too
-                    yield replace(full, gradients="nvme")
-                fraction = smallest_fraction(w, full, m)
-                if fraction is not None and 0 < fraction < 1:
-                    yield replace(full, optimizer_fraction=fraction)
+                for grads in ("full", "ring"):
+                    full = Placement(
+                        optimizer=optimizer,
+                        params=params,
+                        stage=st,
+                        checkpointing=ckpt,
+                        host_gradients=grads,
+                    )
+                    yield full
+                    if st == 3 and allow_nvme:  # the gradient shards off the device too
+                        yield replace(full, gradients="nvme")
+                    fraction = smallest_fraction(w, full, m)
+                    if fraction is not None and 0 < fraction < 1:
+                        yield replace(full, optimizer_fraction=fraction)
 
 
 def smallest_fraction(w: Workload, p: Placement, m: Machine) -> float | None:
     """The smallest offloaded fraction (on a 1% grid) at which the device holds the rest, or
-    ``None`` if the device cannot hold even the fully offloaded design. The design's device
-    bytes are affine in the fraction."""
-    at = {f: tier_bytes(w, replace(p, optimizer_fraction=f)).device.total for f in (0.0, 0.5)}
-    # The partial design's line, extended to f = 1 (the built full offload may keep more on the
-    # device: its gradient shards, with the parameters offloaded).
-    at[1.0] = 2 * at[0.5] - at[0.0]
+    ``None`` if the device cannot hold even the fully offloaded placement. The device bytes
+    are affine in the fraction."""
+    at = {f: tier_bytes(w, replace(p, optimizer_fraction=f)).device.total for f in (0.0, 1.0)}
     room = m.device_usable_bytes
     if at[1.0] > room:
         return None
@@ -144,7 +149,7 @@ def cheapest_fit(w: Workload, m: Machine, **search: Any) -> Prediction | None:
     fitting = [pr for pr in (predict(w, p, m) for p in candidates(w, m, **search)) if pr.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda pr: (pr.time.seconds, not pr.placement.built))
+    return min(fitting, key=lambda pr: pr.time.seconds)
 
 
 def largest_fit(

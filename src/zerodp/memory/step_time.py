@@ -12,19 +12,21 @@ A step is two phases, one after the other, because the step is exact: the offloa
 needs every gradient (the non-finite check and clipping run over all of them before any
 bucket is stepped), and the next forward needs every update.
 
-1. Backward: the compute; with offloaded parameters, pipelined per unit with the unit's
-   parameters coming in (h2d, from the disk for NVMe) and its reduced gradient going out (d2h).
-2. Step and next forward, two tracks at once, the phase lasting the longer:
-   - the device: (built path: ``step()`` returns once every gradient is in host memory, so
-     the d2h copies and their upcast come first) the device's share of the optimizer step,
-     (offloaded parameters: the updated parameters it stepped go back to the host) and the
-     forward (offloaded parameters: pipelined per unit with their h2d);
+1. Backward: the compute; with offloaded parameters, pipelined per unit with the offloaded
+   units' parameters coming in (h2d, from the disk for NVMe); with the gradients on NVMe, each
+   unit's reduced gradient going out to the disk.
+2. Step and next forward, two tracks at once, the phase lasting the longer. Both start with
+   the device's share of the optimizer step (partial offload steps the kept part first):
+   - the device: ``step()`` returns once every offloaded gradient is in host memory: with a
+     whole host gradient (``host_gradients="full"``) that is the d2h copies and their upcast;
+     with a ring, the offloaded step up to its last R chunks (the ring is reused only once a
+     chunk is stepped). Then the forward (offloaded parameters: pipelined per unit with their
+     h2d);
    - the host: the offloaded step, pipelined per bucket (one ring slot) through its stages:
-     d2h of the gradient (parameters on the device), upcast into fp32, the disk (NVMe: read
-     the masters and moments, write them back), the optimizer worker (CPU Adam, then the cast
-     of the masters into the compute dtype: one worker, one after the other, as built), h2d of
-     the updated parameters (parameters on the device); then the forward of the last bucket to
-     land.
+     d2h of the gradient (or its read from NVMe), upcast into fp32, the disk (NVMe: read the
+     masters and moments, write them back), CPU Adam, the cast of the masters into the compute
+     dtype (a worker of its own), h2d of the updated parameters (parameters on the device);
+     then the forward of the last bucket to land.
 
 A pipeline of stages over n items (buckets or units) of stage totals S_i ends after
 max S_i + (ΣS_i - max S_i)/n: the slowest stage throughout, the others for one item (the head
@@ -114,41 +116,64 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     unpack = h * (pb + FP32) / (2 * copy)  # compute dtype -> fp32 gradient
     cast = h * (FP32 + pb) / (2 * copy)  # fp32 masters -> compute-dtype parameters
     adam = h / m.cpu_adam_params_per_s
-    grads_d2h = pb * h / pcie
+    grads_nvme = p.gradients == "nvme"  # written in the backward, read by the step
+    grads_d2h = 0.0 if grads_nvme else pb * h / pcie
     updates_h2d = 0.0 if params_off else pb * h / pcie
-    shard = pb * c.resting_params
+    shard = pb * c.resting_params * p.offloaded  # the offloaded units' shards
     units_h2d = shard / pcie if params_off else 0.0  # one pass: the forward or the backward
-    stepped_d2h = pb * on_device / pcie if params_off else 0.0
     nvme_state = p.optimizer == "nvme"
     state_read = k_off * h / read if nvme_state else 0.0
     state_write = k_off * h / write if nvme_state else 0.0
     params_read = shard / read if p.params == "nvme" else 0.0  # one pass
     params_write = shard / write if p.params == "nvme" else 0.0
-
-    grads_nvme = p.gradients == "nvme"  # written in the backward, read by the step
     grads_write = pb * h / write if grads_nvme else 0.0
     grads_read = pb * h / read if grads_nvme else 0.0
 
-    # Phase 1: backward. Built, the reduced gradients stay on the device until the step (or go
-    # to NVMe as reduced); the unbuilt design sends each unit's out as soon as it is reduced.
-    grads_in_backward = (params_off and not p.built) or grads_nvme
+    # Phase 1: backward. The reduced gradients stay on the device until the step, or go to
+    # NVMe as reduced.
     if params_off or grads_nvme:
         stages = [("disk", params_read + grads_write), ("pcie h2d", units_h2d)]
-        out = grads_d2h if grads_in_backward else 0.0
+        out = pb * h / pcie if grads_nvme else 0.0  # the reduced gradients, to the disk
         back, back_by = pipeline([*stages, ("compute", backward), ("pcie d2h", out)], w.units)
     else:
         back, back_by = backward, "compute"
 
+    # Phase 2, the host's track: the offloaded step, then the forward of the last bucket.
+    chunks = h / c.ring_chunk if h else 1.0
+    disk = state_read + state_write + params_write + grads_read
+    host_stages = [
+        ("pcie d2h", pb * h / pcie if h else 0.0),  # in the backward or the step
+        ("host memcpy", unpack),
+        ("disk", disk),
+        ("cpu adam", adam),
+        ("host memcpy", cast),
+        ("pcie h2d", updates_h2d),
+    ]
+    chain, host_by = pipeline(host_stages, chunks)
+    host_track = 0.0
+    if h:
+        if params_off:
+            tail = (forward + units_h2d + params_read) / w.units
+        else:
+            tail = forward * c.ring_chunk / c.owned
+        host_track = device_step + chain + tail
+        if disk + params_read > host_track:  # one drive serves the step and the forward
+            host_track, host_by = device_step + disk + params_read, "disk"
+
     # Phase 2, the device's track.
     device_track: list[Segment] = []
-    if p.host_gradient == "fp32":
-        stages = [("pcie d2h", grads_d2h), ("host memcpy", unpack)]
-        g, g_by = pipeline(stages, h / c.ring_chunk)
-        device_track.append(Segment("gradients to host", g_by, g))
     if device_step:
         device_track.append(Segment("device step", "device step", device_step))
-    if stepped_d2h:
-        device_track.append(Segment("stepped parameters to host", "pcie d2h", stepped_d2h))
+    if h and p.host_gradient == "fp32":
+        stages = [("pcie d2h", grads_d2h), ("host memcpy", unpack)]
+        if grads_nvme:
+            stages = [("disk", grads_read), ("host memcpy", unpack)]
+        g, g_by = pipeline(stages, chunks)
+        device_track.append(Segment("gradients to host", g_by, g))
+    elif h:  # a ring: until the last R chunks are being stepped
+        slowest = max(seconds for _, seconds in host_stages)
+        left = min(chunks, float(w.ring_buckets)) * slowest / chunks
+        device_track.append(Segment("offloaded step to its last chunks", host_by, chain - left))
     if params_off:
         stages = [("disk", params_read), ("pcie h2d", units_h2d), ("compute", forward)]
         fwd, fwd_by = pipeline(stages, w.units)
@@ -156,29 +181,11 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
         fwd, fwd_by = forward, "compute"
     device_track.append(Segment("forward", fwd_by, fwd))
 
-    # Phase 2, the host's track: the offloaded step, then the forward of the last bucket.
-    host_track, host_by = 0.0, "cpu adam"
-    if h:
-        disk = state_read + state_write + params_write + grads_read
-        stages = [
-            ("pcie d2h", 0.0 if grads_in_backward else grads_d2h),
-            ("host memcpy", unpack),
-            ("disk", disk),
-            ("cpu adam", adam + cast),
-            ("pcie h2d", updates_h2d),
-        ]
-        chain, host_by = pipeline(stages, h / c.ring_chunk)
-        if params_off:
-            tail = (forward + units_h2d + params_read) / w.units
-        else:
-            tail = forward * c.ring_chunk / c.owned
-        host_track = chain + tail
-        if disk + params_read > host_track:  # one drive serves the step and the forward
-            host_track, host_by = disk + params_read, "disk"
-
     path = [Segment("backward", back_by, back)]
     if host_track > sum(s.seconds for s in device_track):
-        path.append(Segment("offloaded step", host_by, host_track))
+        if device_step:
+            path.append(Segment("device step", "device step", device_step))
+        path.append(Segment("offloaded step", host_by, host_track - device_step))
     else:
         path += device_track
     components = (
@@ -186,7 +193,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
         ("device step", device_step),
         ("cpu adam", adam),
         ("host memcpy", unpack + cast),
-        ("pcie d2h", grads_d2h + stepped_d2h),
+        ("pcie d2h", pb * h / pcie if h else 0.0),  # in the backward or the step
         ("pcie h2d", updates_h2d + 2 * units_h2d),
         ("disk read", state_read + 2 * params_read + grads_read),
         ("disk write", state_write + params_write + grads_write),

@@ -1,32 +1,26 @@
 """Bytes one rank holds on each tier (device, host, NVMe) under an offload placement.
 
 Pure arithmetic, in the layout zerodp's offload uses ([Note: offloaded step] in
-offload/runner.py) or, for the tiers not built yet, the layout they are being built to. Per
-parameter Ψ, world size N, compute dtype of p bytes (2 for bf16), optimizer bytes K (12 for
-mixed-precision Adam: fp32 masters and two moments), this rank's owned slice Ψ/N (stages 1-3),
-a bucket's owned slice ``c`` (``bucket_bytes / p / N`` elements) and ``R`` ring buckets:
+offload/runner.py, [Note: partial offload] in offload/partial.py). Per parameter Ψ, world size
+N, compute dtype of p bytes (2 for bf16), optimizer bytes K (12 for mixed-precision Adam: fp32
+masters and two moments), this rank's owned slice Ψ/N (stages 1-3), a bucket's owned slice
+``c`` (``bucket_bytes / p / N`` elements), ``R`` ring buckets and the offloaded fraction f of
+the owned optimizer state (1 unless partial):
 
-- ``optimizer="cpu"`` (built): host holds K·Ψ/N of masters and moments, a full fp32 copy of the
-  owned gradient (4·Ψ/N) and two transfer rings (to and from the device) of R slots of 4·c
-  bytes: 16 B per owned parameter plus 2·R·4·c. The device keeps parameters and gradients.
-- Partial offload, ``optimizer_fraction`` f (not built): a fraction f of the owned optimizer
-  state is offloaded (and stepped there), 1 - f stays on the device (and is stepped there).
-- ``optimizer="nvme"`` (built with f = 1: [Note: optimizer state on NVMe] in offload/swap.py):
-  the offloaded K·f·Ψ/N are in files; the host keeps R swap slots of K·c bytes and the
-  gradient ring below.
-- ``params="cpu"|"nvme"`` (stage 3, built with f = 1): the parameter shards (p·Ψ/N) rest on
-  that tier; the device holds the gathered units in flight, activations and, as built, every
-  reduced gradient shard until the step.
-- ``gradients="nvme"`` (stage 3, built): the reduced gradient shards (p·Ψ/N) are written to a
+- ``optimizer="cpu"``: host holds K·f·Ψ/N of masters and moments, an fp32 copy of the
+  offloaded part's gradient (4·f·Ψ/N; with ``host_gradients="ring"`` R slots of 4·c bytes
+  instead) and two transfer rings (to and from the device) of R slots of 4·c bytes: 16 B per
+  offloaded parameter plus 2·R·4·c. The device keeps parameters, gradients and the kept
+  (1 - f) part of the optimizer state.
+- ``optimizer="nvme"`` ([Note: optimizer state on NVMe] in offload/swap.py): the offloaded
+  K·f·Ψ/N are in files; the host keeps R swap slots of K·c bytes, the fp32 gradient ring (by
+  default; ``host_gradients="full"``: the whole 4·f·Ψ/N) and the transfer rings.
+- ``params="cpu"|"nvme"`` (stage 3): the parameter shards of the offloaded units (f·p·Ψ/N)
+  rest on that tier, the kept units' on the device; the device holds the gathered units in
+  flight, activations and every reduced gradient shard until the step.
+- ``gradients="nvme"`` (stage 3, f = 1): the reduced gradient shards (p·Ψ/N) are written to a
   file as backward produces them; the host keeps R spill slots of p·c bytes besides the step's
-  fp32 gradient ring, and the device none of them.
-- Gradients of the placements not built yet (f < 1): with the parameters on the device
-  (``params="none"``), the device keeps its gradients and the host pulls them bucket by bucket
-  through an fp32 ring of R slots (no full host copy); with the parameters offloaded, each
-  unit's reduced gradient leaves the device during backward and the host keeps the offloaded
-  part in the compute dtype (p·f·Ψ/N) until the step's non-finite check and clipping are known,
-  then upcasts it bucket by bucket through that ring. (Stepping a bucket before every gradient
-  is known would not be the exact step: a skipped or clipped step is decided from all of them.)
+  fp32 gradient, and the device none of them.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config.offload import GRADIENT_TIERS, TIERS
+from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS
 from zerodp.memory.estimator import (
     GPTShape,
     activation_bytes,
@@ -130,6 +124,9 @@ class Placement:
     gradients: str = "device"
     """Stage 3: ``"nvme"``, the reduced gradient shards are written to a file as backward
     produces them and read back by the step (``OffloadConfig.gradients``)."""
+    host_gradients: str = "auto"
+    """The offloaded step's fp32 gradient in host memory (``OffloadConfig.host_gradients``):
+    ``"full"``, ``"ring"``, or ``"auto"`` (full for ``"cpu"``, a ring for ``"nvme"``)."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer", "params"):
@@ -137,8 +134,14 @@ class Placement:
                 raise ValueError(f"Placement.{name} must be one of {', '.join(TIERS)}")
         if self.gradients not in GRADIENT_TIERS:
             raise ValueError(f"Placement.gradients must be one of {', '.join(GRADIENT_TIERS)}")
+        if self.host_gradients not in HOST_GRADIENTS:
+            raise ValueError(f"Placement.host_gradients must be one of {', '.join(HOST_GRADIENTS)}")
+        if self.host_gradients != "auto" and self.optimizer == "none":
+            raise ValueError("Placement.host_gradients needs an offloaded optimizer")
         if self.gradients != "device" and (self.stage != 3 or self.optimizer == "none"):
             raise ValueError("gradients on NVMe need stage 3 and an offloaded optimizer")
+        if self.gradients != "device" and self.optimizer_fraction != 1.0:
+            raise ValueError("gradients on NVMe need the whole optimizer offloaded (fraction 1)")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"Placement.stage must be 0-3; got {self.stage!r}")
         if not 0.0 <= self.optimizer_fraction <= 1.0:
@@ -149,6 +152,8 @@ class Placement:
             raise ValueError("an offloaded optimizer needs stage 1, 2 or 3")
         if self.params != "none" and self.stage != 3:
             raise ValueError("offloaded parameters need stage 3")
+        if self.params != "none" and self.optimizer == "none":
+            raise ValueError("offloaded parameters need an offloaded optimizer")
 
     @property
     def offloaded(self) -> float:
@@ -156,29 +161,27 @@ class Placement:
         return 0.0 if self.optimizer == "none" else self.optimizer_fraction
 
     @property
-    def built(self) -> bool:
-        """Whether zerodp implements this placement today (the rest are predictions)."""
-        if self.params != "none" and self.optimizer == "none":
-            return False  # refused: parameter offload needs the optimizer offloaded
-        return self.optimizer == "none" or self.optimizer_fraction == 1.0
-
-    @property
     def host_gradient(self) -> str:
-        """Where the offloaded step's gradients wait on the host: ``"none"`` (no offloaded
-        step), ``"fp32"`` (a full fp32 copy: the built path), ``"ring"`` (pulled per bucket from
-        the device), ``"compute"`` (a compute-dtype copy: the device keeps none)."""
+        """How the offloaded step's fp32 gradient waits on the host: ``"none"`` (no offloaded
+        step), ``"fp32"`` (a whole copy of the offloaded part), ``"ring"`` (R chunk slots,
+        pulled from the device or the spill file as the step goes)."""
         if self.optimizer == "none":
             return "none"
-        if self.built:  # the step's own host gradient: whole (cpu) or a ring (nvme)
-            return "fp32" if self.optimizer == "cpu" and self.gradients == "device" else "ring"
-        return "ring" if self.params == "none" else "compute"
+        if self.host_gradients == "auto":
+            return "ring" if self.optimizer == "nvme" else "fp32"
+        return "ring" if self.host_gradients == "ring" else "fp32"
 
     def label(self) -> str:
-        """Short text: ``optimizer=cpu:0.5 params=cpu s3 ckpt``, ``no offload s2``."""
+        """Short text: ``optimizer=cpu:0.5 params=cpu s3 ckpt``, ``no offload s2``; a host
+        gradient other than the tier's default is named (``hostgrad=ring``)."""
         parts = []
         if self.optimizer != "none":
             fraction = "" if self.optimizer_fraction == 1.0 else f":{self.optimizer_fraction:g}"
             parts.append(f"optimizer={self.optimizer}{fraction}")
+            if self.host_gradients != "auto":
+                default = "ring" if self.optimizer == "nvme" else "fp32"
+                if self.host_gradient != default:
+                    parts.append(f"hostgrad={self.host_gradients}")
         if self.params != "none":
             parts.append(f"params={self.params}")
         if self.gradients != "device":
@@ -267,12 +270,19 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
         activations = activation_bytes(s, dtype_bytes=int(pb), checkpointing=p.checkpointing)
         # The logits in the compute dtype and the loss's fp32 copy of them (b·s·V each).
         logits = s.micro_batch * s.seq_len * s.vocab * (pb + FP32)
+    # Stage 3 with the parameters offloaded: the kept units' shards stay on the device.
+    params_off = pb * c.resting_params * p.offloaded if p.params != "none" else 0.0
     device = Breakdown.of(
         [
-            ("parameters", pb * c.resting_params if p.params == "none" else 0.0),
-            ("gradients", _device_gradients(p, c, pb)),
+            ("parameters", pb * c.resting_params - params_off),
+            ("gradients", pb * c.grads if p.gradients == "device" else 0.0),
             ("optimizer state", k_device * on_device_states),
-            ("step scratch", FP32 * c.chunk if w.mixed else 0.0),
+            # Mixed precision: one bucket's fp32 scratch for the check and clip over every
+            # gradient, and under partial offload another for the kept part's device step.
+            (
+                "step scratch",
+                FP32 * c.chunk * (1 + (0 < c.offloaded < c.owned)) if w.mixed else 0.0,
+            ),
             ("gradient staging", staging),
             ("gathered units", (w.prefetch_depth + 1) * unit * pb if p.stage == 3 else 0.0),
             ("unit gradients", unit * pb if p.stage == 3 else 0.0),
@@ -282,18 +292,14 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
     )
     grad_mode = p.host_gradient
     grads_nvme = p.gradients == "nvme"
-    host_gradients = {"fp32": FP32 * c.owned, "compute": pb * c.offloaded}.get(grad_mode, 0.0)
     offloading = p.optimizer != "none"
     host = Breakdown.of(
         [
             ("optimizer state", k_off * c.offloaded if p.optimizer == "cpu" else 0.0),
-            ("parameters", pb * c.resting_params if p.params == "cpu" else 0.0),
-            ("gradients", host_gradients),
+            ("parameters", params_off if p.params == "cpu" else 0.0),
+            ("gradients", FP32 * c.offloaded if grad_mode == "fp32" else 0.0),
             ("transfer rings", 2 * ring * FP32 * c.ring_chunk if offloading else 0.0),
-            (
-                "gradient ring",
-                ring * FP32 * c.ring_chunk if grad_mode in ("ring", "compute") else 0.0,
-            ),
+            ("gradient ring", ring * FP32 * c.ring_chunk if grad_mode == "ring" else 0.0),
             ("nvme swap slots", ring * k_off * c.ring_chunk if p.optimizer == "nvme" else 0.0),
             ("gradient spill slots", ring * pb * c.ring_chunk if grads_nvme else 0.0),
             (
@@ -305,19 +311,8 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
     nvme = Breakdown.of(
         [
             ("optimizer state", k_off * c.offloaded if p.optimizer == "nvme" else 0.0),
-            ("parameters", pb * c.resting_params if p.params == "nvme" else 0.0),
+            ("parameters", params_off if p.params == "nvme" else 0.0),
             ("gradients", pb * c.grads if grads_nvme else 0.0),
         ]
     )
     return TierBytes(device=device, host=host, nvme=nvme)
-
-
-def _device_gradients(p: Placement, c: _Counts, pb: float) -> float:
-    """Built, the device keeps every reduced gradient shard until the step, unless they are on
-    NVMe; the unbuilt design with offloaded parameters sends the offloaded part's out during
-    backward (the module docstring)."""
-    if p.gradients != "device":
-        return 0.0
-    if p.params == "none" or p.built:
-        return pb * c.grads
-    return pb * (c.owned - c.offloaded)

@@ -16,7 +16,7 @@ from typing import Any
 
 from zerodp.apps.cli import estimate_measure
 from zerodp.apps.cli.argtypes import positive_float, positive_int
-from zerodp.config import GRADIENT_TIERS, TIERS, OffloadConfig
+from zerodp.config import GRADIENT_TIERS, HOST_GRADIENTS, TIERS, OffloadConfig
 from zerodp.memory import (
     CALIBRATION_SHAPE,
     CALIBRATION_STEP_S,
@@ -57,6 +57,7 @@ _PLACEMENT_FLAGS = (
     "offload_optimizer",
     "offload_params",
     "offload_gradients",
+    "offload_host_gradients",
     "optimizer_fraction",
 )
 _OTHER_FLAGS = (
@@ -86,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-params", choices=TIERS, help="stage 3; this placement only")
     g.add_argument(
         "--offload-gradients", choices=GRADIENT_TIERS, help="stage 3; this placement only"
+    )
+    g.add_argument(
+        "--offload-host-gradients",
+        choices=HOST_GRADIENTS,
+        help="OffloadConfig.host_gradients; this placement only",
     )
     g.add_argument(
         "--optimizer-fraction",
@@ -161,14 +167,14 @@ def run(
             rows.append((name, predict(w, fixed, machine), False))
             continue
         stage = search["stage"]
-        built = [Placement(stage=stage)]
+        baselines = [Placement(stage=stage)]
         if stage:
-            built.append(Placement(optimizer="cpu", stage=stage))
-        shown = [predict(w, p, machine) for p in built]
+            baselines.append(Placement(optimizer="cpu", stage=stage))
+        shown = [predict(w, p, machine) for p in baselines]
         best = cheapest_fit(w, machine, allow_nvme=args.allow_nvme, **search)
         for pr in shown:
             rows.append((name, pr, best is not None and pr.placement == best.placement))
-        if best is not None and best.placement not in built:
+        if best is not None and best.placement not in baselines:
             rows.append((name, best, True))
     shape = next((w.shape for _, w in workloads if w.shape is not None), None) or gpt3_shape("13B")
     largest = {
@@ -249,6 +255,7 @@ def _placement(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Pla
             optimizer=args.offload_optimizer or "none",
             params=params,
             gradients=args.offload_gradients or "device",
+            host_gradients=args.offload_host_gradients or "auto",
             optimizer_fraction=args.optimizer_fraction or 1.0,
             stage=args.stage if args.stage is not None else (3 if stage3 else 2),
             checkpointing=args.activation_checkpointing,
@@ -306,22 +313,28 @@ def _to_text(
         f"  world size {settings['world_size']}, bucket {settings['bucket_bytes'] / 2**20:g} MiB, "
         f"{settings['ring_buckets']} ring buckets",
         "",
-        f"{'model':<7}{'params':>9}  {'placement':<34}{'dev GiB':>8}{'host GiB':>9}{'NVMe GiB':>9}"
-        f"{'host B/p':>10}{'fits':>6}{'s/step':>8}  {'bottleneck':<12}built",
+        f"{'model':<7}{'params':>9}  {'placement':<44}{'dev GiB':>8}{'host GiB':>9}{'NVMe GiB':>9}"
+        f"{'host B/p':>10}{'fits':>6}{'s/step':>8}  bottleneck",
     ]
     for name, pr, fastest in rows:
         b = pr.bytes
         mark = "*" if fastest else " "
         lines.append(
-            f"{name:<7}{_sci(pr.workload.num_params):>9} {mark}{pr.placement.label():<34}"
+            f"{name:<7}{_sci(pr.workload.num_params):>9} {mark}{pr.placement.label():<44}"
             f"{_gib(b.device.total):>8}{_gib(b.host.total):>9}{_gib(b.nvme.total):>9}"
             f"{pr.host_bytes_per_param:>10.2f}{'yes' if pr.fits else 'no':>6}"
-            f"{pr.time.seconds:>8.3f}  {pr.time.bottleneck:<12}"
-            f"{'yes' if pr.placement.built else 'no'}"
+            f"{pr.time.seconds:>8.3f}  {pr.time.bottleneck}"
         )
     if any(fastest for _, _, fastest in rows):
         lines += ["", "* the fastest placement that fits (searched)"]
-    lines.append("ckpt: activation checkpointing; sN: ZeRO stage N; optimizer=cpu:F: F offloaded")
+    lines.append(
+        "ckpt: activation checkpointing (the model's own, e.g. Hugging Face's "
+        "gradient_checkpointing_enable()); sN: ZeRO stage N;"
+    )
+    lines.append(
+        "optimizer=cpu:F: F of the optimizer state offloaded (OffloadConfig.optimizer_fraction); "
+        "hostgrad=ring|full: OffloadConfig.host_gradients"
+    )
     lines += ["", "Seconds per step, each resource's work (overlapped in the step) and the path:"]
     for name, pr, _ in rows:
         work = ", ".join(f"{r} {s:.3f}" for r, s in pr.time.components if s)
@@ -332,9 +345,8 @@ def _to_text(
         if key in largest:
             lines.append(_largest_line(what, largest[key]))
     lines.append(
-        "built: zerodp implements optimizer none, cpu and nvme, params cpu and nvme and "
-        "(stage 3) grads nvme with the optimizer offloaded, today; a partial optimizer "
-        "fraction is a prediction (docs/offload.md)"
+        "Every placement above is an OffloadConfig zerodp runs (docs/offload.md); the times and "
+        "bytes are predictions."
     )
     return "\n".join(lines)
 
@@ -348,8 +360,7 @@ def _largest_line(what: str, pr: Prediction | None) -> str:
         f"Largest GPT (hidden = 128 x layers) that fits {what}, exact fp32 Adam: "
         f"{pr.workload.num_params / 1e9:.2f}B ({s.layers} layers x {s.hidden}), "
         f"{pr.placement.label()}: device {_gib(pr.bytes.device.total)} GiB, host "
-        f"{_gib(pr.bytes.host.total)} GiB, {pr.time.seconds:.3f} s/step "
-        f"({'built' if pr.placement.built else 'not built yet'})"
+        f"{_gib(pr.bytes.host.total)} GiB, {pr.time.seconds:.3f} s/step"
     )
 
 
@@ -366,7 +377,7 @@ def _prediction_json(name: str, pr: Prediction) -> dict[str, Any]:
             "optimizer_fraction": p.optimizer_fraction,
             "stage": p.stage,
             "activation_checkpointing": p.checkpointing,
-            "built": p.built,
+            "host_gradients": p.host_gradients,
         },
         "bytes": {
             tier: {"total": getattr(pr.bytes, tier).total, **getattr(pr.bytes, tier).as_dict()}
