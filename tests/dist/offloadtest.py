@@ -163,3 +163,15 @@ def mismatch(want, want_state, got, got_state) -> str | None:  # type: ignore[no
     names = differing(want, got)
     states = sum(not torch.equal(a, b) for a, b in zip(want_state, got_state, strict=True))
     return f"params {names[:3]}, {states} states" if names or states else None
+
+
+def relative(want: torch.Tensor, got: torch.Tensor) -> float:
+    """Normwise relative difference."""
+    scale = want.float().norm().item()
+    diff = (want.float() - got.float()).norm().item()
+    return diff / scale if scale else diff
+
+
+def one_rounding(want: torch.Tensor, got: torch.Tensor) -> bool:
+    """Every element equal or one bf16 rounding apart (at most 2^-7 relative)."""
+    return bool(((want.float() - got.float()).abs() <= want.float().abs() * 2.0**-7).all())

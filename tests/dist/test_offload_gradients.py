@@ -16,7 +16,16 @@ import dataclasses
 import hf_models
 import pytest
 import torch
-from offloadtest import TIMEOUT, compare, model_loss, offload_config, tiny_gpt, train
+from offloadtest import (
+    TIMEOUT,
+    compare,
+    model_loss,
+    offload_config,
+    one_rounding,
+    relative,
+    tiny_gpt,
+    train,
+)
 from zerotest import TOL, rank_world
 
 import zerodp
@@ -40,17 +49,6 @@ def grads_config(precision: str, tiers: tuple[str, str], root: str, gradients: s
     )
 
 
-def _relative(want: torch.Tensor, got: torch.Tensor) -> float:
-    scale = want.float().norm().item()
-    diff = (want.float() - got.float()).norm().item()
-    return diff / scale if scale else diff
-
-
-def _one_rounding(want: torch.Tensor, got: torch.Tensor) -> bool:
-    """Every element equal or one bf16 rounding apart (at most 2^-7 relative)."""
-    return bool(((want.float() - got.float()).abs() <= want.float().abs() * 2.0**-7).all())
-
-
 def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
     problems = []
     for precision in precisions:
@@ -67,9 +65,9 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
             # One clipped step: later steps would compound a last-bit difference chaotically.
             want, want_state, _ = train(kind, device, steps=1)
             got, got_state, _ = train(kind, nvme, steps=1)
-            worst = max(_relative(want[n], got[n]) for n in want)
-            worst_state = max(_relative(a, b) for a, b in zip(want_state, got_state, strict=True))
-            rounded = all(_one_rounding(want[n], got[n]) for n in want)
+            worst = max(relative(want[n], got[n]) for n in want)
+            worst_state = max(relative(a, b) for a, b in zip(want_state, got_state, strict=True))
+            rounded = all(one_rounding(want[n], got[n]) for n in want)
             exact_enough = worst <= TOL if precision == "fp32" else rounded
             # exp_avg_sq squares the gradient: twice the coefficient's relative difference.
             if not exact_enough or worst_state > 4 * TOL:

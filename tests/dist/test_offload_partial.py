@@ -25,6 +25,8 @@ from offloadtest import (
     full_params,
     model_loss,
     offload_config,
+    one_rounding,
+    relative,
     tiny_gpt,
     train,
 )
@@ -33,16 +35,6 @@ from zerotest import TOL, rank_world
 import zerodp
 
 FRACTIONS = (0.3, 0.7)
-
-
-def _relative(want: torch.Tensor, got: torch.Tensor) -> float:
-    scale = want.float().norm().item()
-    diff = (want.float() - got.float()).norm().item()
-    return diff / scale if scale else diff
-
-
-def _one_rounding(want: torch.Tensor, got: torch.Tensor) -> bool:
-    return bool(((want.float() - got.float()).abs() <= want.float().abs() * 2.0**-7).all())
 
 
 def _config(stage: int, precision: str, tier: str, root: str, fraction: float):  # type: ignore[no-untyped-def]
@@ -80,9 +72,9 @@ def case_parity(root: str, kind: str, precisions: tuple[str, ...]) -> list[str]:
                     if not same or not all(torch.equal(a, b) for a, b in pairs):
                         problems.append(f"stage 3 {precision} {tier} clipped: not bitwise")
                     continue
-                worst = max(_relative(want[n], got[n]) for n in want)
-                worst_state = max(_relative(a, b) for a, b in pairs)
-                rounded = all(_one_rounding(want[n], got[n]) for n in want)
+                worst = max(relative(want[n], got[n]) for n in want)
+                worst_state = max(relative(a, b) for a, b in pairs)
+                rounded = all(one_rounding(want[n], got[n]) for n in want)
                 close = worst <= TOL if precision == "fp32" else rounded
                 if not close or worst_state > 4 * TOL:  # exp_avg_sq: the coefficient squared
                     problems.append(
