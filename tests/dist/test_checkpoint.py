@@ -8,6 +8,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -425,16 +426,26 @@ def _save_for_consolidation(root: str) -> tuple[dict[str, torch.Tensor], dict[st
     return dict(model.state_dict()), dict(gpt.state_dict())
 
 
+def _note(calls: list[tuple[int, int]], done: int, total: int) -> None:
+    calls.append((done, total))
+
+
 def test_consolidate_equals_state_dict(world: World, tmp_path: Path) -> None:
     from zerodp.apps.cli.consolidate import add_parser
 
     net_sd, gpt_sd = world(2).run(_save_for_consolidation, str(tmp_path), timeout=60)[0]
     for name, sd, plain in (("net", net_sd, Net()), ("gpt", gpt_sd, GPT(get_config("tiny")))):
         out = tmp_path / f"{name}.safetensors"
-        result = consolidate_checkpoint(tmp_path / name, out)
+        calls: list[tuple[int, int]] = []
+        result = consolidate_checkpoint(tmp_path / name, out, progress=partial(_note, calls))
         assert result.tensors == len(sd)
         loaded = load_file(out)
         assert_same(loaded, sd, name)
+        # The progress callback: once per tensor, bytes so far of all the tensors' bytes.
+        tensor_bytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        assert len(calls) == len(sd) and {total for _, total in calls} == {tensor_bytes}
+        assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+        assert calls[-1][0] == tensor_bytes
         plain.load_state_dict(loaded, strict=True)
     assert "head.weight" in net_sd and "frozen.weight" in net_sd  # tied alias, frozen layer
 

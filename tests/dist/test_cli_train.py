@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from zerodp.apps.train.options import FAIL_AT_ENV
+from zerodp.apps.train.schedule import Schedule
 
 TINY = ["--preset", "tiny", "--batch", "2", "--world-size", "2", "--sample-chars", "16"]
 TIMEOUT_S = 150  # each run takes ~10 s on 2 idle cores; a loaded CI box can be much slower
@@ -162,6 +163,49 @@ def test_resume_under_torchrun_continues_exactly(
     (full,) = _report(root / "run")["runs"]
     assert resumed["first_step"] == 2
     assert resumed["curves"]["loss"] == full["curves"]["loss"][2:]
+    assert resumed["curves"]["lr"] == full["curves"]["lr"][2:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("new", [False, True], ids=["continued", "new-schedule"])
+def test_resuming_for_more_steps_keeps_the_schedule_unless_asked(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]], new: bool
+) -> None:
+    """The first run (3 steps, lr 1e-3, 1 warm-up step) resumed from its last checkpoint with
+    ``--steps 5``: the learning rate goes on from where it was (the schedule's end: 10%), and
+    says so; with ``--new-schedule`` it follows the 5-step schedule from step 3, and says that.
+    Every save of the first run printed where it went."""
+    root, first = first_run
+    _ok(first)
+    for step in (2, 3):
+        assert f"checkpoint after step {step}: {root / 'ckpt' / f'step-{step:08d}'}" in first.stderr
+    out = root / f"more-{new}"
+    flags = ["--new-schedule"] if new else []
+    args = [*TINY, "--steps", "5", "--out", str(out), "--resume", str(root / "ckpt"), *flags]
+    proc = _ok(_zerodp_train(args, root))
+    (resumed,) = _report(out)["runs"]
+    assert resumed["first_step"] == 3
+    (full,) = _report(root / "run")["runs"]
+    old = Schedule(lr=1e-3, warmup=1, total=3)
+    assert full["curves"]["lr"] == [old.lr_at(s) for s in range(3)]
+    wanted = Schedule(lr=1e-3, warmup=1, total=5)
+    follows = wanted if new else old
+    assert resumed["curves"]["lr"] == [follows.lr_at(s) for s in (3, 4)]
+    assert f"zerodp train: resuming {root / 'ckpt'} at step 3" in proc.stderr
+    if new:
+        assert (
+            "zerodp train: --new-schedule: from step 3 the learning rate follows peak lr 0.001, "
+            "1 warm-up steps, cosine to 10% at step 5 (the checkpoint was trained with peak lr "
+            "0.001, 1 warm-up steps, cosine to 10% at step 3; at step 3 the rate goes from "
+            "0.0001 to 0.00055)"
+        ) in proc.stderr
+    else:
+        assert (
+            "zerodp train: continuing the checkpoint's schedule: peak lr 0.001, 1 warm-up "
+            "steps, cosine to 10% at step 3 (these options describe peak lr 0.001, 1 warm-up "
+            "steps, cosine to 10% at step 5; pass --new-schedule to follow that from step 3 "
+            "instead)"
+        ) in proc.stderr
 
 
 @pytest.mark.timeout(200)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def consolidate_checkpoint(
     *,
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ConsolidateResult:
     """Write the full ``state_dict`` of the model in ``checkpoint`` (a checkpoint directory, or
     a root whose ``latest`` is used) to the safetensors file ``output``, loadable with
@@ -63,7 +65,8 @@ def consolidate_checkpoint(
     master values (fp32 under mixed precision); ``dtype`` ("fp32", "bf16", "fp16" or a torch
     dtype) casts every floating-point tensor. ``verify`` checks the SHA-256 of every file,
     the manifest's first (``verify=False``: salvage what a damaged checkpoint still holds).
-    The output appears atomically (written to a temporary name, then renamed)."""
+    The output appears atomically (written to a temporary name, then renamed). ``progress``
+    is called with (bytes written so far, bytes in all) after each tensor."""
     path = fs.resolve(checkpoint)
     try:
         m = read_verified_manifest(path, "consolidate") if verify else read_manifest(path)
@@ -82,6 +85,7 @@ def consolidate_checkpoint(
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
     sources = sources_by_name(m)
     metadata = {"format": "pt", "zerodp_step": str(m.step)}
+    total, done = sum(spec.nbytes for spec in specs), 0
     try:
         with TensorFileWriter(tmp, specs, metadata) as writer, ShardReader(path) as reader:
             for spec, (_, kind, target) in zip(specs, m.state_dict, strict=True):
@@ -89,6 +93,9 @@ def consolidate_checkpoint(
                 reader.close()  # unmap the shards: their pages must not pile up in our RSS
                 writer.write(spec.key, t.to(spec.dtype).view(spec.shape))
                 del t
+                done += spec.nbytes
+                if progress is not None:
+                    progress(done, total)
             info = writer.close()
         os.replace(tmp, out)
     finally:

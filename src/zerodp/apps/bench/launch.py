@@ -31,6 +31,7 @@ from zerodp.apps.bench.peers import adamw_kwargs
 from zerodp.apps.bench.stats import round_order
 from zerodp.apps.bench.systems import REFERENCE
 from zerodp.apps.bench.table import build_report
+from zerodp.apps.progress import bar
 from zerodp.comm.launch import RanksFailed, describe_failure, launch_ranks
 
 # Imported once in the forkserver that every rank is forked from. Only what all configurations
@@ -39,19 +40,29 @@ _PRELOAD = ("zerodp.apps.bench.runner",)
 Log = Callable[[str], None]
 
 
-def run_bench(options: BenchOptions, log: Log | None = None) -> dict[str, Any]:
-    """Run every configuration of ``options`` and return the report (see ``table``)."""
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+def run_bench(
+    options: BenchOptions, log: Log | None = None, *, quiet: bool = False
+) -> dict[str, Any]:
+    """Run every configuration of ``options`` and return the report (see ``table``); a
+    progress bar over the launches unless ``quiet`` (or standard error is not a terminal)."""
     statuses: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in options.configs}
     parity = ParityTracker(REFERENCE)
     load_start, t_start = list(os.getloadavg()), time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="zerodp-bench-") as tmp:
+    launches = options.rounds * len(options.configs)
+    with (
+        tempfile.TemporaryDirectory(prefix="zerodp-bench-") as tmp,
+        bar(quiet=quiet, total=launches, desc="bench", unit="run") as shown,
+    ):
+        say = log or (lambda msg: shown.write(msg, file=sys.stderr))
         for r in range(options.rounds):
             for name in round_order(list(options.configs), r):
+                shown.set_postfix_str(name)
                 if statuses.get(name, {}).get("status", "ok") != "ok":
+                    shown.update(1)
                     continue  # not installed / not available / failed: no second try
                 status, ranks = _one(options, name, Path(tmp), first=not runs[name], say=say)
+                shown.update(1)
                 statuses[name] = status
                 if ranks:
                     runs[name].append(ranks)

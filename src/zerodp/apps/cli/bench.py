@@ -32,6 +32,7 @@ from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
 # argparse converters shared with `zerodp estimate` (same messages, exit status 2).
 from zerodp.apps.cli.argtypes import non_negative_int, positive_float, positive_int
 from zerodp.apps.models.gpt import PRESETS
+from zerodp.apps.progress import QUIET_HELP
 
 
 def add_parser(subparsers: Any) -> None:
@@ -94,6 +95,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ring-buckets", type=positive_int, default=2, help="offload rings (default 2)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="write the full report here")
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.set_defaults(func=run)
 
 
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         ring_buckets=args.ring_buckets,
         **({"offload_dir": os.path.abspath(args.offload_dir)} if args.offload_dir else {}),
     )
-    report = run_bench(options)
+    report = run_bench(options, quiet=args.quiet)
     print(format_report(report), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

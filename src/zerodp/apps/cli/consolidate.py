@@ -13,6 +13,8 @@ import resource
 import sys
 from typing import Any
 
+from zerodp.apps.progress import QUIET_HELP, bar
+
 
 def add_parser(subparsers: Any) -> None:
     """Register the ``consolidate`` subcommand on the dispatcher's subparsers."""
@@ -35,18 +37,32 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="skip the SHA-256 checks of manifest.json and the shard files (salvage)",
     )
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from zerodp.checkpoint import CheckpointError, consolidate_checkpoint
 
-    try:
-        result = consolidate_checkpoint(
-            args.checkpoint, args.output, dtype=args.dtype, verify=not args.no_verify
-        )
-    except (CheckpointError, OSError) as exc:
-        print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
+    error: Exception | None = None
+    with bar(quiet=args.quiet, desc="consolidate", unit="B", unit_scale=True) as shown:
+
+        def advance(done: int, total: int) -> None:
+            shown.total = total
+            shown.update(done - shown.n)
+
+        try:
+            result = consolidate_checkpoint(
+                args.checkpoint,
+                args.output,
+                dtype=args.dtype,
+                verify=not args.no_verify,
+                progress=advance,
+            )
+        except (CheckpointError, OSError) as exc:
+            error = exc
+    if error is not None:
+        print(f"zerodp consolidate: error: {error}", file=sys.stderr)
         return 1
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(

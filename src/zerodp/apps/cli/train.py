@@ -25,6 +25,7 @@ from typing import Any
 
 from zerodp.apps.cli import argtypes
 from zerodp.apps.models.gpt import PRESETS
+from zerodp.apps.progress import QUIET_HELP
 from zerodp.apps.train.options import (
     DEFAULT_CPU_WORLD_SIZE,
     TrainOptions,
@@ -165,6 +166,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="characters to sample from the trained model; 0 disables (default %(default)s)",
     )
+    out.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument(
         "--checkpoint-dir",
@@ -184,7 +186,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         const="",
         metavar="CHECKPOINT",
         help="continue from a checkpoint (a step-N directory, or a root: its latest); "
-        "without a value, from --checkpoint-dir's latest. --steps is the total to reach",
+        "without a value, from --checkpoint-dir's latest. --steps is the total to reach; the "
+        "learning rate continues the checkpoint's schedule",
+    )
+    ckpt.add_argument(
+        "--new-schedule",
+        action="store_true",
+        help="with --resume: follow the schedule --steps and --lr describe from the resume "
+        "point (the rate may jump there) instead of the checkpoint's",
     )
 
 
@@ -212,9 +221,11 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),
+        new_schedule=args.new_schedule,
         seed=args.seed,
         out=args.out,
         sample_chars=args.sample_chars,
+        quiet=args.quiet,
     )
     check_options(options)
     return options
@@ -230,6 +241,8 @@ def check_options(options: TrainOptions) -> None:
     wants_checkpoints = options.checkpoint_dir is not None or options.resume is not None
     if wants_checkpoints and options.compare_stages:
         raise ValueError("--checkpoint-dir/--resume apply to one stage, not --compare-stages")
+    if options.new_schedule and options.resume is None:
+        raise ValueError("--new-schedule applies to a resumed run: add --resume")
     if options.checkpoint_every and options.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to save)")
 

@@ -31,7 +31,8 @@ from zerodp.apps.train.checkpoints import resume
 from zerodp.apps.train.options import ErrorNote, TrainOptions
 from zerodp.apps.train.report import build_report, write_report
 from zerodp.apps.train.result import RunResult
-from zerodp.apps.train.steps import Curves, lr_factor, run_steps
+from zerodp.apps.train.schedule import lr_factor
+from zerodp.apps.train.steps import Curves, run_steps
 from zerodp.apps.train.summary import format_summary
 from zerodp.apps.train.world import RankContext, environment, join_world
 from zerodp.comm import destroy
@@ -121,8 +122,8 @@ def _train_stage(
     inner = torch.optim.AdamW(gpt.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     param_bytes = num_parameters(gpt) * dtype_bytes(options.precision)
     model, opt = zerodp.initialize(gpt, inner, options.zero_config(stage, param_bytes))
-    first_step = resume(options, model, opt)
-    curves = run_steps(options, stage, ctx, data, model, opt, first_step)
+    first_step, schedule = resume(options, model, opt, tell=ctx.rank == 0)
+    curves = run_steps(options, stage, ctx, data, model, opt, first_step, schedule)
     result = _gather_result(stage, ctx, opt, curves)
     result.largest_unit_bytes = largest_unit * result.element_size
     result.sample_prompt = SAMPLE_PROMPT

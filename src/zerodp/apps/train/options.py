@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from zerodp.apps.train.schedule import Schedule
 from zerodp.config import OffloadConfig, ZeroConfig
 
 DEFAULT_CPU_WORLD_SIZE = 2
@@ -52,9 +53,11 @@ class TrainOptions:
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
+    new_schedule: bool = False  # resuming: follow these options' schedule, not the checkpoint's
     seed: int = 0
     out: str | None = None  # None: runs/train-<timestamp>, resolved by the launcher or rank 0
     sample_chars: int = 200
+    quiet: bool = False  # no progress bar (also off when standard error is not a terminal)
 
     def bucket_bytes_for(self, param_bytes: int) -> int:
         """``--bucket-mb``; by default ZeroConfig's 32 MiB, but at most 1/8 of the model's
@@ -92,6 +95,11 @@ class TrainOptions:
     def warmup_steps(self) -> int:
         """Linear learning-rate warm-up: 5% of the run, at least one step."""
         return max(1, self.steps // 20)
+
+    def schedule(self) -> Schedule:
+        """The learning-rate schedule these options describe (a resumed run may follow its
+        checkpoint's instead: ``checkpoints.resume``)."""
+        return Schedule(lr=self.lr, warmup=self.warmup_steps, total=self.steps)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

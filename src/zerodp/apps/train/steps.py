@@ -1,10 +1,9 @@
-"""The optimizer steps of one stage in ``zerodp train``: the learning-rate schedule, gradient
-accumulation, clipping, the curves each rank records, and rank 0's progress bar."""
+"""The optimizer steps of one stage in ``zerodp train``: gradient accumulation, clipping, the
+curves each rank records, and rank 0's progress bar (and its notes of each checkpoint saved)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -17,8 +16,10 @@ from torch import nn
 from zerodp import ZeroModule, ZeroOptimizer
 from zerodp.apps.data.corpus import BatchSampler, train_val_split
 from zerodp.apps.models.gpt import GPT
+from zerodp.apps.progress import bar as progress_bar
 from zerodp.apps.train.checkpoints import maybe_save
 from zerodp.apps.train.options import FAIL_AT_ENV, TrainOptions, parse_fail_at
+from zerodp.apps.train.schedule import Schedule
 from zerodp.apps.train.world import RankContext
 
 
@@ -43,6 +44,7 @@ def run_steps(
     model: nn.Module,
     opt: ZeroOptimizer,
     first_step: int,
+    schedule: Schedule,
 ) -> Curves:
     train, _ = train_val_split(data)
     seq_len = cast(GPT, model).config.seq_len
@@ -57,7 +59,7 @@ def run_steps(
                     f"injected failure on rank {ctx.rank} at step {step} ({FAIL_AT_ENV})"
                 )
             start = time.perf_counter()
-            lr = options.lr * lr_factor(step, options.steps, options.warmup_steps)
+            lr = schedule.lr_at(step)
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, norm = train_step(options, step, ctx, model, opt, sampler)
@@ -68,7 +70,9 @@ def run_steps(
                 curves.norms.append(norm)
             stats = opt.comm_stats()
             curves.volumes.append(stats.volume if stats is not None else 0)
-            maybe_save(options, model, opt, step + 1)
+            saved = maybe_save(options, schedule, model, opt, step + 1)
+            if saved is not None and bar is not None:
+                bar.write(f"checkpoint after step {step + 1}: {saved}", file=sys.stderr)
             if bar is not None:
                 bar.set_postfix(
                     loss=f"{loss:.3f}", tok_s=f"{tokens / curves.times[-1]:,.0f}", refresh=False
@@ -104,31 +108,19 @@ def train_step(
     return float(total) / options.grad_accum, norm
 
 
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``: the usual
-    GPT schedule, as a pure function of the step (so a resumed run continues it exactly)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 @contextlib.contextmanager
 def _progress(options: TrainOptions, stage: int, ctx: RankContext, first_step: int) -> Any:
-    """A tqdm bar (step, loss, tokens/s, ETA) on rank 0; ``None`` elsewhere."""
+    """A bar (step, loss, tokens/s, ETA) on rank 0 (drawn unless ``--quiet`` or standard error
+    is not a terminal; its ``write`` prints either way); ``None`` elsewhere."""
     if ctx.rank != 0:
         yield None
         return
-    from tqdm import tqdm
-
-    bar = tqdm(
+    bar = progress_bar(
+        quiet=options.quiet,
         total=options.steps,
         initial=first_step,
         desc=f"stage {stage}",
         unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=0.5,
     )
     try:
         yield bar
