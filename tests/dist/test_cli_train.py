@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,58 @@ def test_resuming_for_more_steps_keeps_the_schedule_unless_asked(
             "steps, cosine to 10% at step 5; pass --new-schedule to follow that from step 3 "
             "instead)"
         ) in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(400)
+def test_the_readmes_multi_node_command_trains_and_a_single_node_resumes(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """README's command for several nodes, as written but for the sizes: two ``torchrun
+    --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d`` agents on this machine form one world of
+    2 ranks (the same losses, bitwise, as the 2 local ranks of the first run: same seed, data and
+    world size), save a checkpoint, and one node with 2 ranks resumes it."""
+    root, first = first_run
+    _ok(first)
+    work = root / "nodes"
+    work.mkdir()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "my-run"]
+    train = ["-m", "zerodp.apps.train", *TINY[:4], "--sample-chars", "0", "--steps", "3"]
+    train += ["--out", str(work / "run"), "--checkpoint-dir", str(work / "ckpt")]
+    # One rank per "node" would take every core of this machine each (torchrun sets
+    # OMP_NUM_THREADS=1 only for several processes per node); one thread each, as the local
+    # ranks of the first run have, gives the same kernels' sums.
+    env = {k: v for k, v in os.environ.items() if k != FAIL_AT_ENV} | {"OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, *torchrun, "--log-dir", str(work / f"logs{n}"), *train],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outputs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, f"exit {node.returncode}\n{out}\n{err}"
+    (multi,) = _report(work / "run")["runs"]
+    (local,) = _report(root / "run")["runs"]
+    assert multi["curves"]["loss"] == local["curves"]["loss"]
+    assert [m["rank"] for m in multi["memory_report"]] == [0, 1]
+    args = [*TINY, "--steps", "4", "--out", str(work / "resumed"), "--resume", str(work / "ckpt")]
+    proc = _ok(_zerodp_train(args, work))
+    (resumed,) = _report(work / "resumed")["runs"]
+    assert resumed["first_step"] == 3 and len(resumed["curves"]["loss"]) == 1
+    assert f"zerodp train: resuming {work / 'ckpt'} at step 3" in proc.stderr
 
 
 @pytest.mark.timeout(200)
