@@ -184,3 +184,15 @@ def test_bad_input_is_an_argparse_error_naming_the_option(
     err = capsys.readouterr().err
     assert "zerodp estimate: error:" in err
     assert option in err.split("error:", 1)[1]
+
+
+def test_the_readme_shows_the_real_which_stage_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's "Which stage do I need?" quotes this command's output, every line."""
+    argv = ["--gpt-layers", "32", "--gpt-hidden", "4096", "--gpt-vocab", "32000"]
+    argv += ["--gpt-seq", "2048", "--gpt-batch", "1", "--world-sizes", "1,8,64"]
+    assert main(["estimate", *argv, "--device-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Which stage do I need?") : readme.index("## Use")]
+    for line in out.splitlines():
+        assert line in section, f"README does not show: {line}"
