@@ -17,16 +17,6 @@ REFERENCE = "ddp"
 
 PRECISIONS = ("fp32", "bf16")
 
-PARITY_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
-"""Largest ``max|p - p_ddp| / max|p_ddp|`` over the whole model (``parity.compare_params``)
-that passes. fp32: the systems run the same arithmetic up to the order of a few sums and the
-optimizer kernel (zerodp picks torch's fused AdamW), so after a handful of steps they differ by
-a few ulps of the largest weights, while a skipped or wrong update moves a parameter by about
-lr (3e-4) per step. bf16: each system uses its own mixed-precision recipe (zerodp stores bf16
-parameters with fp32 masters; DDP runs ``torch.autocast`` on fp32 parameters; FSDP2 casts fp32
-shards to bf16), so parameters differ by about one bf16 rounding of the largest weights
-(2^-8 relative), a few times over."""
-
 
 @dataclass(frozen=True, slots=True)
 class System:
@@ -171,12 +161,3 @@ def parse_configs(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"repeated config in {names}")
     return names
-
-
-def parity_tolerance(precision: str) -> float:
-    """The largest relative difference to DDP that counts as the same training (see
-    ``PARITY_TOLERANCE``)."""
-    try:
-        return PARITY_TOLERANCE[precision]
-    except KeyError:
-        raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}") from None

@@ -22,7 +22,8 @@ from zerodp.apps.bench.stats import (
     phase_medians,
     summarize,
 )
-from zerodp.apps.bench.systems import BY_NAME, REFERENCE, parity_tolerance
+from zerodp.apps.bench.systems import BY_NAME, REFERENCE
+from zerodp.apps.bench.tolerance import judge, tolerance
 
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 OPTIMIZER = "optimizer"  # the torch optimizer's own update, within "step" (runner.OptimizerClock)
@@ -101,8 +102,10 @@ def config_report(
     warmup: int,
     parity: Mapping[str, Any] | None,
     precision: str,
+    reference_losses: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Everything about one configuration (``rounds`` empty unless it ran)."""
+    """Everything about one configuration (``rounds`` empty unless it ran); ``parity`` is
+    judged with DDP's rank-0 losses (``reference_losses``: [Note: parity tolerances])."""
     system = BY_NAME[name]
     out: dict[str, Any] = {
         "system": system.label,
@@ -128,7 +131,7 @@ def config_report(
     measured = rank0.get("comm")
     out["comm"]["measured"] = measured
     out["comm"]["measured_psi"] = measured["volume_elements"] / psi if measured else None
-    tol = parity_tolerance(precision)
+    losses = [s["loss"] for s in rank0["steps"]]
     out.update(
         {
             "num_params": psi,
@@ -144,8 +147,8 @@ def config_report(
             "rss_bytes_per_rank": rss,
             "parity_vs_ddp": None
             if parity is None
-            else {**parity, "tolerance": tol, "passed": parity["model_rel_diff"] <= tol},
-            "losses_rank0": [s["loss"] for s in rank0["steps"]],
+            else judge(parity, losses, reference_losses, precision),
+            "losses_rank0": losses,
             "profile_rank0": rank0.get("profile"),
             "steps_per_rank": [r["steps"] for r in first],  # raw: times and RSS per phase
             "step_times_s": times,
@@ -184,6 +187,11 @@ def build_report(
     parity: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Any]:
     """The JSON ``zerodp bench`` writes. ``meta`` needs ``warmup`` and ``precision``."""
+    reference = runs.get(REFERENCE) or []
+    reference_losses = None
+    if reference:
+        rank0 = next(r for r in reference[0] if r["rank"] == 0)
+        reference_losses = [s["loss"] for s in rank0["steps"]]
     configs = {
         name: config_report(
             name,
@@ -192,6 +200,7 @@ def build_report(
             meta["warmup"],
             parity.get(name),
             meta["precision"],
+            reference_losses,
         )
         for name in order
     }
@@ -211,19 +220,22 @@ def _header(names: Sequence[str]) -> list[str]:
 
 
 def _parity_cell(p: Mapping[str, Any] | None) -> str:
-    """``model-relative (worst tensor) verdict``; "identical" when every bit agrees."""
+    """``model-relative (worst tensor); loss-curve relative, verdict``; "identical" when every
+    bit agrees."""
     if p is None:
         return "-"
     if p["max_abs_diff"] == 0 and not p["mismatched_names"]:
         return "identical"
     verdict = "ok" if p["passed"] else "FAIL"
-    return f"{fmt_sci(p['model_rel_diff'])} ({fmt_sci(p['max_rel_diff'])}) {verdict}"
+    loss = p.get("loss_rel_diff")
+    loss_cell = "-" if loss is None else fmt_sci(loss)
+    return f"{fmt_sci(p['model_rel_diff'])} ({fmt_sci(p['max_rel_diff'])}); {loss_cell} {verdict}"
 
 
 def format_time_table(report: Mapping[str, Any]) -> str:
     head = ["config", "system", "median ms", "min ms", "IQR/median", "vs DDP", "per round"]
     head += [f"{p} ms" for p in (*PHASES[:-1], OPTIMIZER)]
-    head += ["params vs DDP: rel diff (worst tensor)"]
+    head += ["vs DDP: params rel diff (worst tensor); loss rel diff, verdict"]
     rows = _header(head)
     for name, c in report["configs"].items():
         if "step_time_s" not in c:
@@ -372,6 +384,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         "optimizer: the torch optimizer's own update within step, CPU only):",
         "",
         format_time_table(report),
+        "",
+        f"Parity with DDP ({report['meta']['precision']}), judged on the "
+        f"{tolerance(report['meta']['precision']).describe()} (why: [Note: parity tolerances] "
+        "in zerodp/apps/bench/tolerance.py).",
         "",
         "Memory per rank, MiB (tensors held after a step; RSS of the rank with the highest peak):",
         "",
