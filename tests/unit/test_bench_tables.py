@@ -293,6 +293,21 @@ def test_compare_params() -> None:
     assert reshaped["mismatched_names"] == ["w"]
 
 
+def test_one_rank_has_no_communication_in_theory() -> None:
+    rep = build_report(
+        meta={"preset": "tiny", "warmup": 1, "precision": "fp32", "world_size": 1},
+        order=["zero2"],
+        statuses={},
+        runs={"zero2": [[_rank(0, [1.0, 1.0])]]},
+        parity={},
+    )
+    comm = rep["configs"]["zero2"]["comm"]
+    assert (comm["paper_psi"], comm["implementation_psi"]) == (0, 0)
+    assert "| zero2 |" in format_comm_table(
+        rep
+    ) and "one rank: nothing to send" in format_comm_table(rep)
+
+
 def test_the_docs_state_the_tolerances_the_code_applies() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
     assert "| fp32 | parameters: max\\|p - p_ddp\\| / max\\|p_ddp\\| | <= 1e-05 |" in docs

@@ -26,6 +26,7 @@ from zerodp.apps.train.report import (
     COMM_UNIT,
     RunResult,
     build_report,
+    comm_entry,
     comm_theory_bytes,
     comm_theory_elements,
     comm_theory_multiplier,
@@ -117,6 +118,22 @@ def test_comm_theory_is_2psi_for_stages_0_to_2_and_3psi_for_stage_3() -> None:
     assert comm_theory_elements(3, 7) == 21
     with pytest.raises(ValueError, match="stage"):
         comm_theory_multiplier(4)
+
+
+def test_one_rank_has_no_communication_in_theory_either() -> None:
+    """At world size 1 nothing is communicated: the theory is 0, not 2Ψ (issue 17)."""
+    run = _run(2)
+    run.memory = run.memory[:1]
+    run.comm = {**_comm(2), "elements": {}, "bytes": {}, "calls": {}, "volume_elements": 0}
+    entry = comm_entry(run)
+    assert entry is not None
+    assert (entry["formula"], entry["theory_elements"], entry["theory_bytes"]) == (
+        "0 (one rank)",
+        0,
+        0,
+    )
+    two = comm_entry(_run(2))
+    assert two is not None and two["formula"] == "2Ψ" and two["theory_elements"] == 2 * PSI
 
 
 def test_comm_theory_bytes_counts_gradients_in_the_reduce_dtype() -> None:

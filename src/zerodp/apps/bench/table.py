@@ -204,6 +204,9 @@ def build_report(
         )
         for name in order
     }
+    if meta.get("world_size") == 1:  # the paper's volumes are for N > 1; one rank sends none
+        for c in configs.values():
+            c["comm"].update(paper_psi=0, implementation_psi=0, how="one rank: nothing to send")
     add_ratios(configs)
     return {"meta": dict(meta), "configs": configs}
 

@@ -120,16 +120,19 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
 def comm_entry(run: RunResult) -> dict[str, Any] | None:
     if run.comm is None:
         return None
-    theory_elements = comm_theory_elements(run.stage, run.num_params)
+    # One rank has no one to talk to: the paper's volumes are for N > 1 (its 2Ψ is 2Ψ(N-1)/N
+    # rounded up), and at N = 1 they are 0.
+    alone = len(run.memory) == 1
+    theory_bytes = comm_theory_bytes(
+        run.stage, run.num_params, run.element_size, run.reduce_element_size
+    )
     return {
         "unit": COMM_UNIT,
-        "formula": f"{comm_theory_multiplier(run.stage)}Ψ",
+        "formula": "0 (one rank)" if alone else f"{comm_theory_multiplier(run.stage)}Ψ",
         "measured_elements": int(run.comm["volume_elements"]),
-        "theory_elements": theory_elements,
+        "theory_elements": 0 if alone else comm_theory_elements(run.stage, run.num_params),
         "measured_bytes": comm_volume_bytes(run.comm),
-        "theory_bytes": comm_theory_bytes(
-            run.stage, run.num_params, run.element_size, run.reduce_element_size
-        ),
+        "theory_bytes": 0 if alone else theory_bytes,
         "steady": len(set(run.comm_volumes)) <= 1,  # every step moved the same volume
         "last_step": run.comm,
     }

@@ -119,13 +119,13 @@ def _comm_lines(comm: dict[str, Any] | None) -> list[str]:
     kinds = ", ".join(
         f"{kind} {format_count(n)}" for kind, n in sorted(comm["last_step"]["elements"].items())
     )
-    ratio = comm["measured_elements"] / comm["theory_elements"] if comm["theory_elements"] else 0
+    theory = comm["theory_elements"]
+    ratio = f" (measured/theory {comm['measured_elements'] / theory:.3f})" if theory else ""
     steady = "" if comm["steady"] else " (varied between steps)"
     return [
         f"  communication per step{steady}: measured {format_count(comm['measured_elements'])} "
         f"elements = {format_mb(comm['measured_bytes'])} MB vs theory {comm['formula']} = "
-        f"{format_count(comm['theory_elements'])} elements = {format_mb(comm['theory_bytes'])} MB"
-        f" (measured/theory {ratio:.3f})",
+        f"{format_count(theory)} elements = {format_mb(comm['theory_bytes'])} MB{ratio}",
         f"    by collective: {kinds or 'none'}; units: paper's (all-reduce counted twice)",
     ]
 
