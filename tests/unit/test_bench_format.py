@@ -14,7 +14,8 @@ from zerodp.apps.bench import stats
 from zerodp.apps.bench.operators import format_profile_table, top_operators
 from zerodp.apps.bench.runner import OptimizerClock
 from zerodp.apps.bench.systems import BY_NAME
-from zerodp.apps.bench.table import OPTIMIZER, PHASES, format_meta, ledger_cell
+from zerodp.apps.bench.table import OPTIMIZER, PHASES
+from zerodp.apps.bench.text import format_meta, ledger_cell
 from zerodp.apps.cli.main import build_parser
 
 MIB = 2**20

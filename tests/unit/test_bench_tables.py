@@ -17,18 +17,14 @@ from zerodp.apps.bench import stats
 from zerodp.apps.bench.options import BenchOptions
 from zerodp.apps.bench.parity import compare_params
 from zerodp.apps.bench.systems import BY_NAME, KNOWN, parse_configs
-from zerodp.apps.bench.table import (
-    accounting,
-    build_report,
+from zerodp.apps.bench.table import accounting, build_report, memory_row, round_times, rss_summary
+from zerodp.apps.bench.text import (
     format_breakdown_table,
     format_comm_table,
     format_memory_table,
     format_phase_memory_table,
     format_report,
     format_time_table,
-    memory_row,
-    round_times,
-    rss_summary,
 )
 from zerodp.apps.bench.tolerance import judge, loss_rel_diff, tolerance
 
@@ -40,15 +36,15 @@ def _step(i: int, total: float, peak: int, loss: float = 5.0) -> dict[str, Any]:
     """One step: phases sum to ``total``; RSS 100 MiB, +10 MiB after forward, peak in backward."""
     times = {"zero_grad": 0.0, "forward": total / 4, "backward": total / 2, "step": total / 4}
     memory = {
-        "zero_grad": {"rss": 100 * MIB, "peak": 100 * MIB},
+        "zero_grad": {"now": 100 * MIB, "peak": 100 * MIB},
         "forward": {
-            "rss": 110 * MIB,
+            "now": 110 * MIB,
             "peak": 110 * MIB,
             "heap_used": 60 * MIB,
             "heap_free": 5 * MIB,
         },
-        "backward": {"rss": 105 * MIB, "peak": peak},
-        "step": {"rss": 100 * MIB, "peak": 101 * MIB},
+        "backward": {"now": 105 * MIB, "peak": peak},
+        "step": {"now": 100 * MIB, "peak": 101 * MIB},
     }
     return {"step": i, "times": {**times, "total": total}, "memory": memory, "loss": loss}
 
@@ -291,6 +287,23 @@ def test_compare_params() -> None:
     assert missing["mismatched_names"] == ["b"] and missing["model_rel_diff"] == float("inf")
     reshaped = compare_params({"w": ref["w"].view(2, 1), "b": ref["b"]}, ref)
     assert reshaped["mismatched_names"] == ["w"]
+
+
+def test_the_tables_name_what_the_memory_was_measured_with() -> None:
+    """[Note: memory meters]: RSS on CPU; on CUDA the allocator, and the tables say so."""
+    assert "| peak RSS |" in format_memory_table(_report())
+    ranks = [{**_rank(r, [9.0, 1.0]), "memory_source": "CUDA allocated"} for r in (0, 1)]
+    rep = build_report(
+        meta={"preset": "tiny", "warmup": 1, "precision": "bf16", "world_size": 2},
+        order=["zero2"],
+        statuses={},
+        runs={"zero2": [ranks]},
+        parity={},
+    )
+    assert rep["configs"]["zero2"]["rss_bytes"]["source"] == "CUDA allocated"
+    table = format_memory_table(rep).splitlines()[0]
+    assert "| CUDA baseline | peak CUDA |" in table and "RSS" not in table
+    assert "CUDA of the rank with the highest peak" in format_report(rep)
 
 
 def test_one_rank_has_no_communication_in_theory() -> None:

@@ -52,6 +52,7 @@ from zerodp.memory.machine import (
     training_flops,
 )
 from zerodp.memory.measure import Measurement, measure_cpu_adam, measure_disk, measure_memcpy
+from zerodp.memory.meter import CudaMeter, MemoryMeter, RssMeter, meter_for
 from zerodp.memory.step_time import RESOURCES, Segment, StepTime, pipeline, predict_step
 from zerodp.memory.tiers import Breakdown, Placement, TierBytes, Workload, tier_bytes
 
@@ -70,15 +71,18 @@ __all__ = [
     "STAGES",
     "Breakdown",
     "BytesPerParam",
+    "CudaMeter",
     "GPTShape",
     "GiB",
     "Machine",
     "Measurement",
     "MemoryEstimate",
+    "MemoryMeter",
     "ModelStateBytes",
     "Overheads",
     "Placement",
     "Prediction",
+    "RssMeter",
     "Segment",
     "StepTime",
     "TierBytes",
@@ -102,6 +106,7 @@ __all__ = [
     "measure_cpu_adam",
     "measure_disk",
     "measure_memcpy",
+    "meter_for",
     "model_state_bytes",
     "optimizer_multiplier",
     "pipeline",

@@ -13,6 +13,6 @@ torch.profiler), ``parity``, ``table`` (report and tables), ``stats`` (pure stat
 
 from zerodp.apps.bench.launch import run_bench
 from zerodp.apps.bench.options import BenchOptions
-from zerodp.apps.bench.table import format_report
+from zerodp.apps.bench.text import format_report
 
 __all__ = ["BenchOptions", "format_report", "run_bench"]

@@ -1,10 +1,6 @@
-"""Measuring what a rank holds: resident set size by phase, and bytes of tensors by storage.
-
-Peak RSS: ``getrusage(RUSAGE_SELF).ru_maxrss`` is a process-lifetime peak. On Linux the kernel
-lets a process reset its own peak (writing ``5`` to ``/proc/self/clear_refs`` sets ``VmHWM``,
-which ``ru_maxrss`` reads, back to the current RSS), so a phase's own peak can be read as
-``VmHWM`` after it (``peak_rss``). Without that (other systems, or /proc not writable) every
-"peak" is the lifetime peak so far, and ``PhaseProbe.resettable`` says so.
+"""Measuring what a rank holds: memory by phase (through the device's ``MemoryMeter``: RSS on
+CPU, the CUDA allocator on a GPU, [Note: memory meters] in zerodp/memory/meter.py), glibc's
+heap figures on CPU, and bytes of tensors by storage.
 
 Bytes of tensors are counted per *storage*, once: a parameter that is a view into a flat buffer
 counts the buffer, and a buffer already counted in one category is not counted again in the
@@ -16,57 +12,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
-import resource
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def current_rss() -> int | None:
-    """Resident bytes of this process now (Linux ``/proc/self/statm``), else ``None``."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def lifetime_peak_rss() -> int:
-    """``ru_maxrss`` in bytes (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def peak_rss() -> int:
-    """Peak RSS since the last ``reset_peak_rss`` (Linux ``VmHWM``), else the lifetime peak.
-
-    Not ``ru_maxrss`` after a reset: it is also the maximum with the peaks the kernel saved when
-    threads exited (gloo and the autograd engine start and stop threads), which the reset
-    leaves alone."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return lifetime_peak_rss()
-
-
-def reset_peak_rss() -> bool:
-    """Set this process's peak RSS back to its current RSS; ``False`` where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
+from zerodp.memory import MemoryMeter
 
 _MALLINFO2_FIELDS: tuple[str, ...] = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
 _MALLINFO2_FIELDS += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
@@ -98,30 +49,32 @@ def malloc_stats() -> dict[str, int] | None:
 
 
 class PhaseProbe:
-    """RSS (and CUDA memory) at the end of each phase of a step, and the peak within it.
+    """Memory at the end of each phase of a step, and the peak within it, as the device's
+    ``MemoryMeter`` reads it ([Note: memory meters] in zerodp/memory/meter.py: RSS on CPU, the
+    CUDA allocator on a GPU).
 
     Create it when set-up is done: it first reads the peak so far (model build and wrapping,
     ``setup_peak``), then checks that the peak can be reset."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.setup_peak = peak_rss()
-        self.resettable = reset_peak_rss()
+    def __init__(self, meter: MemoryMeter) -> None:
+        self.meter = meter
+        self.setup_peak = meter.peak()
+        self.resettable = meter.reset_peak()
 
     def begin(self) -> None:
         """A phase starts: its peak counts from here."""
         if self.resettable:
-            reset_peak_rss()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            self.meter.reset_peak()
 
     def end(self) -> dict[str, int | None]:
-        """A phase ended: RSS now and the peak during the phase (bytes)."""
-        out: dict[str, int | None] = {"rss": current_rss(), "peak": peak_rss()}
-        out.update(malloc_stats() or {})
-        if self.cuda:
-            out["cuda"] = torch.cuda.memory_allocated()
-            out["cuda_peak"] = torch.cuda.max_memory_allocated()
+        """A phase ended: bytes now and the peak during the phase; on CPU glibc's heap figures,
+        on CUDA the allocator's reserved bytes."""
+        out: dict[str, int | None] = {"now": self.meter.current(), "peak": self.meter.peak()}
+        reserved = self.meter.reserved()
+        if reserved is not None:
+            out["reserved"] = reserved
+        else:
+            out.update(malloc_stats() or {})
         return out
 
 

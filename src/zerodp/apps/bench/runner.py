@@ -28,11 +28,12 @@ from zerodp import sharded_init
 from zerodp.apps.bench import peers
 from zerodp.apps.bench.operators import profile_steps
 from zerodp.apps.bench.options import BenchOptions
-from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, current_rss, malloc_stats
+from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, malloc_stats
 from zerodp.apps.bench.systems import BY_NAME
 from zerodp.apps.train.world import cores_per_rank, local_placement
 from zerodp.comm import Communicator, destroy, init_from_env
 from zerodp.comm.launch import record
+from zerodp.memory import meter_for
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
@@ -85,7 +86,8 @@ def _run(
     sampler = BatchSampler(
         load_corpus(), options.batch, cfg.seq_len, options.seed, info.rank, info.world_size
     )
-    rss_baseline = current_rss()  # runtime: torch, the system's modules, the process group
+    meter = meter_for(info.device)  # [Note: memory meters]
+    rss_baseline = meter.current()  # runtime: torch, the system's modules, the process group
     heap_baseline = malloc_stats()
     torch.manual_seed(options.seed)  # the same initial weights for every configuration
     module = _construct(name, cfg, info.device)
@@ -96,8 +98,8 @@ def _run(
         return {**base, "status": exc.status, "reason": exc.reason}
     with peers.closing(peer), OptimizerClock(peer.inner_optimizer(), info.device) as clock:
         comm.barrier()
-        rss_setup = current_rss()
-        probe = PhaseProbe(info.device)
+        rss_setup = meter.current()
+        probe = PhaseProbe(meter)
         # The last step also accounts for memory at the end of its forward pass, when every
         # activation is alive (the hooks cost a Python call per saved tensor: ~1 ms).
         counted = _total(options) - 1
@@ -125,7 +127,8 @@ def _run(
             "steps": steps,
             "memory": peer.memory(),
             "comm": peer.comm(),
-            "rss_end": current_rss(),
+            "rss_end": meter.current(),
+            "memory_source": meter.source,
         }
         if io_before is not None and io_after is not None:
             result["nvme"] = nvme_traffic(io_before, io_after, options)
