@@ -18,6 +18,7 @@ import pytest
 
 from zerodp.apps.train.options import FAIL_AT_ENV
 from zerodp.apps.train.schedule import Schedule
+from zerodp.apps.train.theory import MEMORY_CATEGORIES
 
 TINY = ["--preset", "tiny", "--batch", "2", "--world-size", "2", "--sample-chars", "16"]
 TIMEOUT_S = 150  # each run takes ~10 s on 2 idle cores; a loaded CI box can be much slower
@@ -87,6 +88,16 @@ def test_report_holds_measured_and_theoretical_figures(
         assert measured["gradients"] == pytest.approx(theory["gradients"], rel=0.02)
         assert measured["parameters"] == pytest.approx(theory["parameters"], rel=0.02)
         assert measured["comm_buffers"] > 0 and theory["comm_buffers"] > 0
+        # The measured peak (RSS on CPU) by what held it, beside the estimator's prediction.
+        peak, predicted = row["peak"], row["peak_theory"]
+        assert peak["source"] == "RSS" and peak["total"] > peak["runtime"] > 0
+        parts = [peak[name] for name in (*MEMORY_CATEGORIES, "gathered", "activations")]
+        assert peak["rest"] == peak["total"] - peak["runtime"] - sum(parts)
+        assert peak["gathered"] == 0 and predicted["gathered"] == 0  # stage 2 gathers no unit
+        # The last forward's saved activations against 12·h·b·s·L + logits (the tiny GPT,
+        # batch 2): within a factor of 2 either way (the estimator's is a lower bound for
+        # attention scores, an upper one where autograd saves views of one tensor).
+        assert 0.5 < peak["activations"] / predicted["activations"] < 2.0
     comm = run["comm"]
     assert comm["theory_elements"] == 2 * run["num_params"]
     assert comm["theory_elements"] <= comm["measured_elements"] <= 1.01 * comm["theory_elements"]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from zerodp.apps.cli.train import add_train_arguments, options_from_args
 from zerodp.apps.train.launch import (
@@ -40,6 +41,13 @@ from zerodp.apps.train.report import (
     throughput,
     write_report,
 )
+from zerodp.apps.train.theory import (
+    PEAK_CATEGORIES,
+    activations_theory,
+    memory_peak,
+    memory_peak_theory,
+)
+from zerodp.apps.train.world import device_peak
 
 PSI = 1000  # Ψ of the made-up runs below; world size 2, fp32
 
@@ -244,6 +252,41 @@ def test_compare_table_has_one_row_per_stage() -> None:
     assert "5.00e-01" in table[3]
 
 
+def test_the_measured_peak_is_split_by_what_held_it() -> None:
+    """[Note: memory meters]: the rest is what the categories and the runtime leave."""
+    m = {
+        **_memory(0, 2),
+        "gathered_peak": 0,
+        "process": {"source": "RSS", "baseline": 9000, "peak": 30000, "activations": 5000},
+    }
+    peak = memory_peak(m)
+    assert peak is not None
+    held = 4 * (PSI + 8) + 2000 + 4000 + 6048
+    assert (peak["runtime"], peak["activations"], peak["total"]) == (9000, 5000, 30000)
+    assert peak["rest"] == 30000 - 9000 - 5000 - held and peak["source"] == "RSS"
+    assert memory_peak(_memory(0, 2)) is None  # an older report: no measured peak
+    run = _run(2)
+    run.activations_theory = 4321.0
+    predicted = memory_peak_theory(run, {**m, "gathered_bound": 77})
+    assert predicted is not None
+    assert (predicted["activations"], predicted["gathered"]) == (4321.0, 77.0)
+    assert predicted["total"] == pytest.approx(sum(predicted[k] for k in PEAK_CATEGORIES[:6]))
+
+
+def test_activations_theory_is_the_papers_12hbsl_plus_the_logits() -> None:
+    # 2 layers, h 8, vocab 50, s 4, b 3, bf16: 12·8·3·4·2 values of 2 B + 3·4·50·(2 + 4) B.
+    assert activations_theory(2, 8, 50, 4, 3, 2) == 12 * 8 * 3 * 4 * 2 * 2 + 3 * 4 * 50 * 6
+
+
+def test_mfu_needs_a_known_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert device_peak(torch.device("cpu"), "bf16")["peak_flops"] is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    h100 = device_peak(torch.device("cuda", 0), "bf16")
+    assert h100 == {"device_name": "NVIDIA H100 80GB HBM3", "peak_flops": 989e12}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    assert device_peak(torch.device("cuda", 0), "fp32")["peak_flops"] is None
+
+
 def test_memory_bars_fall_back_to_the_largest_rank_per_run() -> None:
     report = build_report(_options(), ENV, [_run(0), _run(1), _run(2)])
     done = report["runs"]
@@ -254,6 +297,8 @@ def test_memory_bars_fall_back_to_the_largest_rank_per_run() -> None:
 
 def test_write_report_writes_valid_json_and_a_png(tmp_path: Path) -> None:
     run = _run(2)
+    process = {"source": "RSS", "baseline": 9000, "peak": 30000, "activations": 5000}
+    run.memory = [{**m, "process": process} for m in run.memory]
     run.grad_norms = [math.inf, 1.0, 1.0]  # an overflowing step: JSON has no inf
     report = build_report(_options(), ENV, [run])
     json_path, png_path = write_report(report, tmp_path / "out")
@@ -261,6 +306,7 @@ def test_write_report_writes_valid_json_and_a_png(tmp_path: Path) -> None:
     assert loaded["runs"][0]["curves"]["grad_norm"][0] is None
     assert [r["status"] for r in loaded["runs"]] == ["ok"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert loaded["runs"][0]["memory"][0]["peak"]["total"] == 30000
 
 
 # -- options ----------------------------------------------------------------------------------

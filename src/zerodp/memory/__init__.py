@@ -53,6 +53,7 @@ from zerodp.memory.machine import (
 )
 from zerodp.memory.measure import Measurement, measure_cpu_adam, measure_disk, measure_memcpy
 from zerodp.memory.meter import CudaMeter, MemoryMeter, RssMeter, meter_for
+from zerodp.memory.saved import SavedForBackward, local_tensor, storage_key
 from zerodp.memory.step_time import RESOURCES, Segment, StepTime, pipeline, predict_step
 from zerodp.memory.tiers import Breakdown, Placement, TierBytes, Workload, tier_bytes
 
@@ -83,6 +84,7 @@ __all__ = [
     "Placement",
     "Prediction",
     "RssMeter",
+    "SavedForBackward",
     "Segment",
     "StepTime",
     "TierBytes",
@@ -103,6 +105,7 @@ __all__ = [
     "gpt_largest_unit_params",
     "gpt_param_count",
     "largest_fit",
+    "local_tensor",
     "measure_cpu_adam",
     "measure_disk",
     "measure_memcpy",
@@ -116,6 +119,7 @@ __all__ = [
     "resolve_factory",
     "scaled_gpt",
     "smallest_fraction",
+    "storage_key",
     "tier_bytes",
     "training_flops",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zerodp.memory import MemoryMeter
+from zerodp.memory import MemoryMeter, local_tensor, storage_key
 
 _MALLINFO2_FIELDS: tuple[str, ...] = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
 _MALLINFO2_FIELDS += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
@@ -78,21 +78,6 @@ class PhaseProbe:
         return out
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def local_tensor(t: Any) -> torch.Tensor | None:
-    """The tensor whose storage this rank holds: a DTensor's local shard, else ``t`` itself;
-    ``None`` for non-tensors and meta tensors."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    local = getattr(t, "_local_tensor", None)  # DTensor, without importing its module
-    if isinstance(local, torch.Tensor):
-        t = local
-    return None if t.is_meta else t
-
-
 def tensor_bytes(values: Iterable[Any], seen: set[tuple[str, int]]) -> int:
     """Bytes of the storages of ``values`` (tensors; anything else is skipped) not in ``seen``;
     adds them to ``seen``. A storage of 0 bytes (a freed FSDP buffer) counts 0."""
@@ -108,57 +93,6 @@ def tensor_bytes(values: Iterable[Any], seen: set[tuple[str, int]]) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
-
-
-class SavedForBackward:
-    """Bytes autograd saves for backward inside the ``with`` block (unique storages; a view
-    counts its whole storage once). Storages of ``exclude`` (the parameters as the rank holds
-    them at rest) are counted apart: saving them costs no memory. Parameters gathered for the
-    step (stage 3, FSDP) are saved too, but freed after the unit's forward (their storage is
-    resized to 0 and gathered again for backward): ``alive_bytes()`` says what is still held.
-    """
-
-    def __init__(self, exclude: Iterable[Any]) -> None:
-        tensors = (local_tensor(x) for x in exclude)
-        self._exclude = {storage_key(t) for t in tensors if t is not None}
-        self._seen: set[tuple[str, int]] = set()
-        self._storages: list[torch.UntypedStorage] = []
-        self.nbytes = 0
-        self.param_bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        with contextlib.suppress(RuntimeError):  # no storage (sparse, nested): not counted
-            key = storage_key(t)
-            if key[1] != 0 and key not in self._seen:
-                self._seen.add(key)
-                n = t.untyped_storage().nbytes()
-                if key in self._exclude:
-                    self.param_bytes += n
-                else:
-                    self.nbytes += n
-                    self._storages.append(t.untyped_storage())
-        return t
-
-    def alive_bytes(self) -> int:
-        """Bytes of the saved (non-parameter) storages now; less than ``nbytes`` where some
-        were freed since (gathered parameters)."""
-        return sum(st.nbytes() for st in self._storages)
-
-    def release(self) -> None:
-        """Drop the references to the storages (autograd keeps what it needs)."""
-        self._storages.clear()
-
-    def __enter__(self) -> SavedForBackward:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[Any]:

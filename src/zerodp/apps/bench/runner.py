@@ -28,12 +28,12 @@ from zerodp import sharded_init
 from zerodp.apps.bench import peers
 from zerodp.apps.bench.operators import profile_steps
 from zerodp.apps.bench.options import BenchOptions
-from zerodp.apps.bench.probe import PhaseProbe, SavedForBackward, malloc_stats
+from zerodp.apps.bench.probe import PhaseProbe, malloc_stats
 from zerodp.apps.bench.systems import BY_NAME
 from zerodp.apps.train.world import cores_per_rank, local_placement
 from zerodp.comm import Communicator, destroy, init_from_env
 from zerodp.comm.launch import record
-from zerodp.memory import meter_for
+from zerodp.memory import SavedForBackward, meter_for
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 _PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang

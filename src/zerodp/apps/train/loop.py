@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,10 +34,11 @@ from zerodp.apps.train.result import RunResult
 from zerodp.apps.train.schedule import lr_factor
 from zerodp.apps.train.steps import Curves, run_steps
 from zerodp.apps.train.summary import format_summary
+from zerodp.apps.train.theory import activations_theory
 from zerodp.apps.train.world import RankContext, environment, join_world
 from zerodp.comm import destroy
 from zerodp.comm.launch import record
-from zerodp.memory import dtype_bytes
+from zerodp.memory import dtype_bytes, meter_for
 
 # Re-exported: callers and tests import these from here, the rank's entry module.
 __all__ = [
@@ -116,6 +117,8 @@ def resolve_out_dir(out: str | None, now: datetime.datetime | None = None) -> Pa
 def _train_stage(
     options: TrainOptions, stage: int, ctx: RankContext, data: torch.Tensor
 ) -> RunResult:
+    meter = meter_for(ctx.device)  # [Note: memory meters]
+    baseline = meter.current()  # the runtime (CPU: torch, Python, the data), before the model
     torch.manual_seed(options.seed)  # same initial weights and data for every stage compared
     gpt = GPT(get_config(options.preset)).to(ctx.device)
     largest_unit = _largest_unit_params(gpt)
@@ -123,9 +126,19 @@ def _train_stage(
     param_bytes = num_parameters(gpt) * dtype_bytes(options.precision)
     model, opt = zerodp.initialize(gpt, inner, options.zero_config(stage, param_bytes))
     first_step, schedule = resume(options, model, opt, tell=ctx.rank == 0)
-    curves = run_steps(options, stage, ctx, data, model, opt, first_step, schedule)
-    result = _gather_result(stage, ctx, opt, curves)
+    curves = run_steps(options, stage, ctx, data, model, opt, first_step, schedule, meter)
+    process = {
+        "source": meter.source,
+        "baseline": baseline,
+        "peak": curves.peak_memory,
+        "activations": curves.activations,
+    }
+    result = _gather_result(stage, ctx, opt, curves, process)
     result.largest_unit_bytes = largest_unit * result.element_size
+    cfg = gpt.config
+    result.activations_theory = activations_theory(
+        cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.seq_len, options.batch, result.element_size
+    )
     result.sample_prompt = SAMPLE_PROMPT
     result.sample_text = _sample(model, options, ctx)
     del model, opt, inner, gpt
@@ -141,11 +154,15 @@ def _largest_unit_params(model: GPT) -> int:
     return max(block, num_parameters(model) - sum(num_parameters(b) for b in blocks))
 
 
-def _gather_result(stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Curves) -> RunResult:
-    """Every rank's losses and memory report, on every rank (rank 0 uses them)."""
+def _gather_result(
+    stage: int, ctx: RankContext, opt: ZeroOptimizer, curves: Curves, process: dict[str, Any]
+) -> RunResult:
+    """Every rank's losses, memory report and measured memory (``process``), on every rank
+    (rank 0 uses them)."""
     memory = opt.memory_report()
     gathered: list[tuple[list[float], dict]] = [([], {})] * ctx.world_size
-    torch.distributed.all_gather_object(gathered, (curves.losses, memory.to_dict()))
+    mine = {**memory.to_dict(), "process": process}
+    torch.distributed.all_gather_object(gathered, (curves.losses, mine))
     per_rank_losses = [g[0] for g in gathered]
     mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses, strict=True)]
     stats = opt.comm_stats()
@@ -194,7 +211,7 @@ def _sample(model: nn.Module, options: TrainOptions, ctx: RankContext) -> str:
 def _write_and_print(
     options: TrainOptions, ctx: RankContext, results: list[RunResult], out_dir: Path
 ) -> None:
-    env = environment(ctx, get_config(options.preset).seq_len)
+    env = environment(ctx, get_config(options.preset).seq_len, options.precision)
     report = build_report(options.to_dict(), env, results)
     json_path, png_path = write_report(report, out_dir)
     print(format_summary(report))

@@ -32,6 +32,8 @@ from zerodp.apps.train.theory import (
     comm_theory_multiplier,
     comm_volume_bytes,
     memory_measured,
+    memory_peak,
+    memory_peak_theory,
     memory_theory,
 )
 
@@ -96,13 +98,20 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
         tokens_per_step=run.tokens_per_step,
         config=run.config,
         loss=loss_summary(run.losses),
-        curves={"loss": run.losses, "grad_norm": run.grad_norms, "lr": run.lrs},
+        curves={
+            "loss": run.losses,
+            "grad_norm": run.grad_norms,
+            "lr": run.lrs,
+            "step_time_s": run.step_times,
+        },
         throughput=throughput(run.step_times, run.tokens_per_step),
         memory=[
             {
                 "rank": m["rank"],
                 "measured": memory_measured(m),
                 "theory": memory_theory(run, m),
+                "peak": memory_peak(m),
+                "peak_theory": memory_peak_theory(run, m),
                 "tiers": {k: m.get(k, 0) for k in ("device", "host", "nvme")},
                 "offload": m.get("offload", "none"),
             }

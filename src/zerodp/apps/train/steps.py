@@ -21,6 +21,7 @@ from zerodp.apps.train.checkpoints import maybe_save
 from zerodp.apps.train.options import FAIL_AT_ENV, TrainOptions, parse_fail_at
 from zerodp.apps.train.schedule import Schedule
 from zerodp.apps.train.world import RankContext
+from zerodp.memory import MemoryMeter, SavedForBackward
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class Curves:
     lrs: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     volumes: list[int] = field(default_factory=list)
+    # Measured by the device's meter ([Note: memory meters] in zerodp/memory/meter.py): the
+    # peak over the steps, and the activations the last step's forward left for its backward.
+    peak_memory: int | None = None
+    activations: int | None = None
 
 
 def run_steps(
@@ -45,6 +50,7 @@ def run_steps(
     opt: ZeroOptimizer,
     first_step: int,
     schedule: Schedule,
+    meter: MemoryMeter,
 ) -> Curves:
     train, _ = train_val_split(data)
     seq_len = cast(GPT, model).config.seq_len
@@ -52,6 +58,7 @@ def run_steps(
     tokens = ctx.world_size * options.batch * options.grad_accum * seq_len
     curves = Curves(first_step=first_step, tokens_per_step=tokens)
     fail_at = parse_fail_at(os.environ.get(FAIL_AT_ENV))
+    meter.reset_peak()  # the steps' own peak (where only a lifetime peak exists: that)
     with _progress(options, stage, ctx, first_step) as bar:
         for step in range(first_step, options.steps):
             if fail_at == (ctx.rank, step):
@@ -62,7 +69,10 @@ def run_steps(
             lr = schedule.lr_at(step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss, norm = train_step(options, step, ctx, model, opt, sampler)
+            last = step == options.steps - 1
+            loss, norm = train_step(
+                options, step, ctx, model, opt, sampler, curves if last else None
+            )
             curves.times.append(time.perf_counter() - start)
             curves.losses.append(loss)
             curves.lrs.append(lr)
@@ -78,6 +88,7 @@ def run_steps(
                     loss=f"{loss:.3f}", tok_s=f"{tokens / curves.times[-1]:,.0f}", refresh=False
                 )
                 bar.update(1)
+    curves.peak_memory = meter.peak()
     return curves
 
 
@@ -88,16 +99,24 @@ def train_step(
     model: nn.Module,
     opt: ZeroOptimizer,
     sampler: BatchSampler,
+    measure: Curves | None = None,
 ) -> tuple[float, float | None]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
+    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm).
+    ``measure``: record there the bytes the last forward saves for its backward."""
     total = torch.zeros((), device=ctx.device)
     for micro in range(options.grad_accum):
         x, y = sampler.batch_at(step * options.grad_accum + micro)
         last = micro == options.grad_accum - 1
         # Only the last backward of the step communicates; the others accumulate locally.
         sync = contextlib.nullcontext() if last else cast(ZeroModule, model).no_sync()
+        counting = measure is not None and last
+        saved = SavedForBackward(model.parameters()) if counting else contextlib.nullcontext()
         with sync:
-            _, loss = model(x.to(ctx.device), y.to(ctx.device))
+            with saved:
+                _, loss = model(x.to(ctx.device), y.to(ctx.device))
+            if isinstance(saved, SavedForBackward) and measure is not None:
+                measure.activations = saved.alive_bytes()  # stage 3's gathered ones are freed
+                saved.release()
             assert loss is not None
             # ZeroOptimizer.backward multiplies by the loss scale under fp16 (required there).
             opt.backward(loss / options.grad_accum)

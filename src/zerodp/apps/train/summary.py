@@ -94,7 +94,27 @@ def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
         "  comm buffers: two staging buckets in the reduce dtype (stage 2, and every stage when"
         " gradients are reduced in another dtype than they are stored in)"
     )
-    return lines + _tier_lines(per_rank)
+    return lines + _peak_lines(per_rank) + _tier_lines(per_rank)
+
+
+def _peak_lines(per_rank: list[dict[str, Any]]) -> list[str]:
+    """The measured peak of each rank ([Note: memory meters] in zerodp/memory/meter.py) beside
+    the estimator's prediction of what it can predict (all but the runtime and the rest)."""
+    rows = [r for r in per_rank if r.get("peak")]
+    if not rows:
+        return []
+    lines = [f"  peak memory per rank in MB, measured ({rows[0]['peak']['source']}) / predicted:"]
+    for row in rows:
+        peak, predicted = row["peak"], row.get("peak_theory") or {}
+        lines.append(
+            f"  {row['rank']:>4}  {format_mb(peak['total'])}: before the model "
+            f"{format_mb(peak['runtime'])}, activations {format_mb(peak['activations'])} / "
+            f"{format_mb(predicted.get('activations'))}, gathered {format_mb(peak['gathered'])} / "
+            f"{format_mb(predicted.get('gathered'))}, rest {format_mb(peak['rest'])}; without "
+            f"what was there before the model {format_mb(peak['total'] - peak['runtime'])} / "
+            f"{format_mb(predicted.get('total'))}"
+        )
+    return lines
 
 
 def _tier_lines(per_rank: list[dict[str, Any]]) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerodp.apps.train.result import RunResult
-from zerodp.memory import comm_buffer_bytes
+from zerodp.memory import GPTShape, activation_bytes, comm_buffer_bytes
 
 MB = 1e6
 
@@ -20,6 +20,20 @@ CATEGORY_LABELS = {
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
     "comm_buffers": "comm buffers",
+}
+
+PEAK_CATEGORIES = (*MEMORY_CATEGORIES, "gathered", "activations", "rest", "runtime")
+"""The measured peak per rank, by what held it ([Note: memory meters] in
+zerodp/memory/meter.py): the model states and buffers at rest, stage 3's gathered parameters
+(their peak), the activations the last forward saved for backward, the rest at the peak
+(temporaries, gradients in flight, allocator slack) and, on CPU, the runtime before the model
+was built (torch, Python, the data)."""
+PEAK_LABELS = {
+    **CATEGORY_LABELS,
+    "gathered": "gathered params",
+    "activations": "activations",
+    "rest": "rest at the peak",
+    "runtime": "runtime",
 }
 
 COMM_UNIT = (
@@ -87,3 +101,43 @@ def _with_totals(values: dict[str, Any]) -> dict[str, Any]:
     values["model_states"] = sum(values[name] for name in MEMORY_CATEGORIES[:3])
     values["total"] = values["model_states"] + values["comm_buffers"]
     return values
+
+
+def memory_peak(measured: dict[str, Any]) -> dict[str, Any] | None:
+    """The measured peak of one rank split by ``PEAK_CATEGORIES`` (``rest`` is what the others
+    do not explain, so it is negative only if the figures disagree), with ``total`` and the
+    meter's ``source``; ``None`` where the peak was not measured."""
+    process = measured.get("process") or {}
+    if process.get("peak") is None:
+        return None
+    parts = {name: int(measured[name]) for name in MEMORY_CATEGORIES}
+    parts["gathered"] = int(measured.get("gathered_peak") or 0)
+    parts["activations"] = int(process.get("activations") or 0)
+    parts["runtime"] = int(process.get("baseline") or 0)
+    parts["rest"] = int(process["peak"]) - sum(parts.values())
+    return {**parts, "total": int(process["peak"]), "source": process.get("source", "RSS")}
+
+
+def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, Any] | None:
+    """The estimator's prediction of the same peak: the model states and buffers
+    (``memory_theory``), the gathered units the stage-3 schedule bounds, and the activations
+    of ``activation_bytes`` plus the logits (``run.activations_theory``); it has no figure for
+    the rest or the runtime."""
+    at_rest = memory_theory(run, measured)
+    if at_rest is None:
+        return None
+    parts = {name: float(at_rest[name]) for name in MEMORY_CATEGORIES}
+    parts["gathered"] = float(measured.get("gathered_bound") or 0)
+    parts["activations"] = float(run.activations_theory)
+    return {**parts, "total": sum(parts.values())}
+
+
+def activations_theory(
+    layers: int, hidden: int, vocab: int, seq_len: int, batch: int, dtype_bytes: int
+) -> float:
+    """Activations one forward of the shipped GPT keeps per rank, as the estimator counts them:
+    the paper's 12·h·b·s·L values plus the b·s·V logits in the compute dtype and the loss's
+    fp32 copy of them (as ``zerodp estimate --offload`` counts them)."""
+    shape = GPTShape(layers=layers, hidden=hidden, vocab=vocab, seq_len=seq_len, micro_batch=batch)
+    logits = batch * seq_len * vocab * (dtype_bytes + 4)
+    return activation_bytes(shape, dtype_bytes=dtype_bytes) + logits

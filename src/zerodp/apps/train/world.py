@@ -76,7 +76,7 @@ def cores_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def environment(ctx: RankContext, seq_len: int) -> dict[str, Any]:
+def environment(ctx: RankContext, seq_len: int, precision: str) -> dict[str, Any]:
     return {
         "world_size": ctx.world_size,
         "nodes": max(1, ctx.world_size // max(1, ctx.local_world_size)),
@@ -88,4 +88,24 @@ def environment(ctx: RankContext, seq_len: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "threads_per_rank": torch.get_num_threads(),
+        **device_peak(ctx.device, precision),
     }
+
+
+# Dense peak FLOP/s of the devices whose datasheet we know, by name and compute dtype: what MFU
+# is measured against (SXM parts; fp32 without TF32, torch's default for matmuls).
+PEAK_FLOPS = {
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+}
+
+
+def device_peak(device: torch.device, precision: str) -> dict[str, Any]:
+    """The device's name and, where ``PEAK_FLOPS`` knows it, its dense peak FLOP/s in
+    ``precision`` (``None`` otherwise: a CPU's depends on cores and clocks we do not model)."""
+    if device.type != "cuda":
+        return {"device_name": platform.processor() or platform.machine(), "peak_flops": None}
+    name = torch.cuda.get_device_name(device)
+    known = next((peaks for key, peaks in PEAK_FLOPS.items() if key in name), None)
+    return {"device_name": name, "peak_flops": None if known is None else known.get(precision)}
