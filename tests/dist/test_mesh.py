@@ -205,7 +205,7 @@ def _padded(numels: Sequence[int], n: int, align: int = 4) -> int:
     return -(-end // (n * align)) * (n * align)
 
 
-def expected_traffic(stage: int, n: int) -> dict[str, int]:
+def expected_traffic(stage: int, n: int, first: bool = False) -> dict[str, int]:
     """Model-data elements per step of ZeRO on ``n`` ranks for ``TPMLP``. Segments hold the
     parameters in reversed registration order (partition/build.py); stage 3 has one per unit:
     the root (the bias), fc1, fc2."""
@@ -215,10 +215,14 @@ def expected_traffic(stage: int, n: int) -> dict[str, int]:
         if stage == 0:
             return {"all_reduce": psi}
         return {"reduce_scatter": psi, "all_gather": psi}
-    root, units = _padded([bias], n), _padded([fc1_b, fc1_w], n) + _padded([fc2_w], n)
+    root, fc2 = _padded([bias], n), _padded([fc2_w], n)
+    units = _padded([fc1_b, fc1_w], n) + fc2
     # The Linear units are gathered in forward and again in backward, the root once (it is held
-    # until the end of backward, params/hooks.py); each is reduce-scattered once.
-    return {"all_gather": root + 2 * units, "reduce_scatter": root + units}
+    # until the end of backward, params/hooks.py), and after the first step (which records the
+    # order) fc2, the last unit of the forward, once (kept into the backward:
+    # Stage3.keep_last_units); each is reduce-scattered once.
+    kept = 0 if first else fc2
+    return {"all_gather": root + 2 * units - kept, "reduce_scatter": root + units}
 
 
 def check_tp_mlp(out: list[dict[str, Any]], stage: int) -> None:
@@ -228,9 +232,10 @@ def check_tp_mlp(out: list[dict[str, Any]], stage: int) -> None:
     psi = SHARD * D_IN + SHARD + D_OUT * SHARD + D_OUT
     for rank, o in enumerate(out):
         assert o["members"] == groups[rank] and o["world_size"] == DP, (rank, o["members"])
-        for elements, nbytes in o["traffic"]:
-            assert elements == want, (stage, rank, elements, want)
-            assert nbytes == {kind: 4 * k for kind, k in want.items()}, (rank, nbytes)
+        for step, (elements, nbytes) in enumerate(o["traffic"]):
+            expected = expected_traffic(stage, DP, first=True) if step == 0 else want
+            assert elements == expected, (stage, rank, step, elements, expected)
+            assert nbytes == {kind: 4 * k for kind, k in expected.items()}, (rank, nbytes)
         for got, shard in o["norms"]:
             assert abs(got - shard) <= 1e-5 * shard, f"rank {rank}: norm {got} vs shard {shard}"
     if stage > 0:  # the two ranks of each DP group own the TP shard's Ψ between them

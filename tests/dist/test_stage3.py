@@ -63,9 +63,9 @@ def _train(pair, steps: range, world: int, rank: int, check: bool = True, **fwd)
 # -- traffic and memory --------------------------------------------------------------------------
 
 
-def case_accounting(depth: int, persist: int) -> dict:
+def case_accounting(depth: int, persist: int, keep: int = 1) -> dict:
     rank, world = rank_world()
-    cfg = _cfg(prefetch_depth=depth, persist_numel=persist)
+    cfg = _cfg(prefetch_depth=depth, persist_numel=persist, keep_last_units=keep)
     pair = make_pair(Stack, adamw_two_groups, cfg)
     _train(pair, range(3), world, rank, check=False)
     report = pair.opt.memory_report().to_dict()
@@ -130,16 +130,19 @@ def test_mixed_precision_memory_is_16_psi_over_n(world, world_size):
 def test_traffic_is_three_times_the_units_and_memory_is_bounded(world, world_size):
     n = world_size
     psi = sum(17 * h + 8 for h in HIDDENS)
-    for depth, persist in [(1, 0), (2, 0), (1, 8)]:
-        out = world(n).run(case_accounting, depth, persist, timeout=TIMEOUT)
+    for depth, persist, keep in [(1, 0, 1), (2, 0, 2), (1, 8, 1), (1, 0, 0), (0, 0, 1)]:
+        out = world(n).run(case_accounting, depth, persist, keep, timeout=TIMEOUT)
         for o in out:
             units, pers = o["units"], o["persistent"]
             # Per step: all-gather every unit in forward and again in backward, reduce-scatter
             # it once: 3x the (padded) units; persistent parameters: reduce-scatter + all-gather.
+            # The last min(keep, depth) units of the forward (the root owns nothing, the blocks
+            # run in order) stay gathered into the backward: 3 Psi - Psi_kept.
+            kept = sum(units[len(units) - min(keep, depth) :])
             assert o["elements"] == {
-                "all_gather": 2 * sum(units) + pers,
+                "all_gather": 2 * sum(units) + pers - kept,
                 "reduce_scatter": sum(units) + pers,
-            }, (depth, persist, o["elements"], units, pers)
+            }, (depth, persist, keep, o["elements"], units, pers)
             r = o["report"]
             assert r["num_params"] == psi
             if persist == 0:
@@ -162,7 +165,8 @@ def test_traffic_is_three_times_the_units_and_memory_is_bounded(world, world_siz
             largest = 4 * max(units)
             assert r["largest_unit"] == largest
             assert r["gathered_bound"] == (depth + 1) * largest
-            assert largest < r["gathered_peak"] <= r["gathered_bound"], r
+            assert r["gathered_peak"] <= r["gathered_bound"], r
+            assert (largest < r["gathered_peak"]) == (depth > 0), r  # depth 0: one at a time
             assert r["gathered_now"] == 0
         # Optimizer state is sharded for persistent parameters too: the shards partition Psi.
         assert sum(o["owned"] for o in out) == psi
@@ -207,14 +211,15 @@ def case_gpt_traffic() -> dict:
 def test_gpt_default_units_traffic_and_bound(world):
     """Default policy on the GPT: the root unit (embeddings, tied head, final norm) plus one
     unit per block. The root stays gathered from forward to the end of backward (the tied head
-    reads the embedding in the root's forward), so its backward all-gather is skipped, and the
-    bound on gathered bytes adds the root to (depth + 1) x the largest unit."""
+    reads the embedding in the root's forward), so its backward all-gather is skipped, as is
+    the last block's (kept into the backward: ``keep_last_units``), and the bound on gathered
+    bytes adds the root to (depth + 1) x the largest unit."""
     out = world(2).run(case_gpt_traffic, timeout=TIMEOUT)
     for o in out:
         root, *blocks = o["units"]
         assert o["labels"] == ["<root GPT>", "blocks.0", "blocks.1"]
         assert o["elements"] == {
-            "all_gather": root + 2 * sum(blocks),
+            "all_gather": root + 2 * sum(blocks) - blocks[-1],
             "reduce_scatter": root + sum(blocks),
         }
         r = o["report"]
@@ -278,7 +283,9 @@ def test_gpt_attached_units_and_reduce_chunks(world, tied):
     """Attached units (the embedding, the untied head) and bucket-sized reduce-scatter chunks:
     the same training as an unsharded model. The head (read in the root's forward) and wte
     (read in the loss) are gathered on demand and held to the end of backward, like the root:
-    one all-gather each in backward less. The reduce-scatters move exactly the units, in
+    one all-gather each in backward less; so is the last block, kept into the backward (the
+    head is read on demand, not a unit forward the record sees). The reduce-scatters move
+    exactly the units, in
     runs of at most one bucket, so the staging pool is 2 buckets, not 2 x the largest unit."""
     out = world(2).run(_gpt_attached, tied, 64, 4096, 2, timeout=TIMEOUT)
     for o in out:
@@ -289,7 +296,7 @@ def test_gpt_attached_units_and_reduce_chunks(world, tied):
         root, wte, *rest = o["units"]
         blocks, head = rest[:2], sum(rest[2:])
         assert o["elements"] == {
-            "all_gather": root + 2 * wte + head + 2 * sum(blocks),
+            "all_gather": root + 2 * wte + head + 2 * sum(blocks) - blocks[-1],
             "reduce_scatter": sum(o["units"]),
         }
         assert o["calls"]["reduce_scatter"] == o["runs"] > len(o["units"])  # units > a bucket
@@ -355,11 +362,14 @@ def test_prefetch_event_order(world):
         assert first[("gather", b[k + 1])] < first[("forward_end", b[k])], ev
     for k in range(2):
         assert first[("release", b[k])] < first[("gather", b[k + 2])], ev
-    # Backward: the same in reverse; each block is gathered exactly once per pass.
+    # Backward: the same in reverse; each block is gathered exactly once per pass, but the last
+    # one, kept gathered from its forward into its backward (keep_last_units).
     for k in range(3, 0, -1):
         assert at[("backward", b[k])] < at[("gather", b[k - 1])] < at[("reduce", b[k])], ev
     for name in b:
-        assert ev.count(("gather", name)) == 2 and ev.count(("reduce", name)) == 1, ev
+        gathers = 1 if name == b[3] else 2
+        assert ev.count(("gather", name)) == gathers and ev.count(("reduce", name)) == 1, ev
+    assert at[("backward", b[3])] < at[("release", b[3])], ev  # released after its backward
     # The exact schedule of the forward pass, for the record.
     forward = ev[: first[("forward_end", "<root Stack>")] + 1]
     assert forward == [
@@ -383,7 +393,6 @@ def test_prefetch_event_order(world):
         ("ready", b[3]),
         ("forward", b[3]),
         ("forward_end", b[3]),
-        ("release", b[3]),
         ("forward_end", "<root Stack>"),
     ], forward
 

@@ -69,8 +69,9 @@ def test_train_mixed_requires_grad_per_group(world):
     assert out[0] == {"all_reduce": biases}, out[0]
     assert out[1] == {"reduce_scatter": biases, "all_gather": biases}, out[1]
     assert out[2] == {"reduce_scatter": biases, "all_gather": biases}, out[2]
-    # Stage 3: gathered in forward and again in backward (the root unit owns nothing).
-    assert out[3] == {"reduce_scatter": biases, "all_gather": 2 * biases}, out[3]
+    # Stage 3: gathered in forward and again in backward (the root unit owns nothing), but the
+    # last unit of the forward, kept into the backward (Stage3.keep_last_units).
+    assert out[3] == {"reduce_scatter": biases, "all_gather": 2 * biases - 24}, out[3]
 
 
 def _interleaved_frozen() -> nn.Module:
@@ -244,10 +245,12 @@ def test_communication_count(world):
         ), out[(stage, 1)]
     for depth in (0, 1, 2):
         # Forward gathers the root and 3 blocks; backward re-gathers the blocks (the root
-        # stays gathered to the end of backward); one reduce-scatter per unit.
+        # stays gathered to the end of backward), but the last one when prefetching allows
+        # keeping it (Stage3.keep_last_units, at most depth); one reduce-scatter per unit.
+        kept = 1 if depth else 0
         assert out[(3, depth)] == (
-            {"all_gather": psi + 3 * unit, "reduce_scatter": psi},
-            {"all_gather": 7, "reduce_scatter": 4},
+            {"all_gather": psi + (3 - kept) * unit, "reduce_scatter": psi},
+            {"all_gather": 7 - kept, "reduce_scatter": 4},
         ), (depth, out[(3, depth)])
 
 

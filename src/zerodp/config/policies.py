@@ -141,6 +141,12 @@ class Stage3(Policy):
     Gathered parameters are bounded by (prefetch_depth + 1) x the largest unit, plus the units
     enclosing the running one. 0: gather on demand only."""
 
+    keep_last_units: int = 1
+    """How many of the last units of the forward stay gathered into the backward, which starts
+    with them (as FSDP2 keeps its root): their backward all-gather is skipped, 3Ψ - Ψ_kept per
+    step. At most ``prefetch_depth`` of them are kept, so the bound on gathered parameters does
+    not change ([Note: keeping the last units] in params/hooks.py); 0 re-gathers them."""
+
     persist_numel: int = 0
     """Trainable parameters with at most this many elements stay replicated (*persistent*):
     never released, so readable anywhere. [Note: persistent parameters] Their gradients are
@@ -170,5 +176,6 @@ class Stage3(Policy):
         check_non_negative_int(self, "unit_min_numel")
         check_non_negative_int(self, "leaf_unit_min_numel")
         check_non_negative_int(self, "prefetch_depth")
+        check_non_negative_int(self, "keep_last_units")
         check_non_negative_int(self, "persist_numel")
         check_bool(self, "check_unit_order")

@@ -41,6 +41,18 @@ same order; "grad ready" fires for the parameters the graph gives a gradient, wh
 on every rank whose loss depends on what it read in the same way. The order checks
 (``order.py``) turn ranks whose graphs differ into a clear error.
 
+[Note: keeping the last units]
+The backward starts with the units the forward ended with. With ``Stage3.keep_last_units`` k
+(at most ``prefetch_depth``), the last k units of the recorded forward order (but the root, and
+none before a unit that ran twice) are not released after their forward (``Unit.carried``): the
+backward finds them gathered and issues no all-gather for them, 3Ψ - Ψ_kept per step. They are
+released after their backward like any unit, or at the end of the backward. Keeping k <= depth
+units holds no more than the bound already allows: at the start of the backward the running
+unit and its ``depth`` prefetches, of which the kept ones are a part. Every rank picks them from
+its own recorded order, so ranks running the same graph keep the same units; where they differ
+(mixture-of-experts routing) the order check merges the backward gathers as any others. The
+first step, with nothing recorded, keeps none.
+
 A unit returning a *view* that the caller then modifies in place loses its pre-backward hook
 (as with FSDP2): return fresh tensors from unit modules.
 
@@ -105,8 +117,12 @@ class Schedule:
         depth: int,
         persistent_seg_ids: list[int],
         trace: Trace,
+        *,
+        keep: int = 0,
     ) -> None:
         self.units = units
+        self.keep = keep  # [Note: keeping the last units]
+        self._carry: set[int] = set()
         self.root = units[0]
         self.gatherer = gatherer
         self.grads = grads
@@ -149,6 +165,11 @@ class Schedule:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if unit is self.root and unit.active == 0:
             self.fwd.begin()
+            self._carry = self.fwd.tail(self.keep, skip=unit.index)
+            for other in self.units:  # kept by a forward no backward followed: let go
+                if other.carried and not other.in_backward:
+                    other.carried = False
+                    self.maybe_release(other)
         if torch.is_grad_enabled():
             args, kwargs = self._attach_post_backward(unit, args, kwargs)
         if unit is self.root and unit.state is UnitState.RELEASED:
@@ -179,6 +200,7 @@ class Schedule:
             for t in outs:
                 t.register_hook(partial(self._pre_backward, unit))
             unit.hooked = unit.hooked or bool(outs)
+            unit.carried = unit.carried or bool(outs and unit.index in self._carry)
         if unit is self.root and unit.active == 0:
             # A forward that exchanged nothing (every unit it used was held) has nothing to
             # tell apart: its marker must not land on some later, unrelated exchange.
@@ -236,6 +258,7 @@ class Schedule:
             unit.reduced = True  # issued by the next hook that issues collectives
             self._deferred.append(unit)
         unit.in_backward = False
+        unit.carried = False
         self.trace("backward_end", unit)
         self.maybe_release(unit)
 
@@ -270,6 +293,7 @@ class Schedule:
                 self._deferred.append(unit)
             unit.borrowed = False
             unit.in_backward = False
+            unit.carried = False
             self.maybe_release(unit)
 
     def _open_backward(self) -> None:
@@ -437,6 +461,7 @@ class Schedule:
             unit.in_backward = False
             unit.pending_post_backward = 0
             unit.kept = False
+            unit.carried = False
             unit.borrowed = False
             unit.hooked = False
             unit.ready_grads = 0

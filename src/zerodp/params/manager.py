@@ -70,6 +70,7 @@ class ShardedParams:
         self.comm = comm
         self.plan = plan
         self.depth = policy.prefetch_depth
+        self.keep = min(policy.keep_last_units, policy.prefetch_depth)  # within the bound
         self.uplan = plan_units(
             model,
             policy.unit_classes,
@@ -171,6 +172,7 @@ class ShardedParams:
             self.depth,
             self.persistent_seg_ids,
             self.trace,
+            keep=self.keep,
         )
         params: list[tuple[nn.Parameter, str, Unit | None]] = []
         for u in self.units:

@@ -47,6 +47,20 @@ class PassOrder:
                 out.append(nxt)
         return out
 
+    def tail(self, count: int, skip: int) -> set[int]:
+        """The last ``count`` units of the recorded order, but ``skip`` (the root); none before
+        a unit that ran more than once (it may be needed again before the backward)."""
+        out: set[int] = set()
+        for unit in reversed(self.last):
+            if len(out) == count:
+                break
+            if unit == skip:
+                continue
+            if self.last.count(unit) > 1:
+                break
+            out.add(unit)
+        return out
+
     def end(self) -> None:
         """The pass finished: its order predicts the next one."""
         if self.current:

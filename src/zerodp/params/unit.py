@@ -43,6 +43,7 @@ class Unit:
     in_backward: bool = False  # its backward started and its gradients are not reduced yet
     prefetched: bool = False  # gathered ahead of its use, not used yet
     kept: bool = False  # the root, from its forward to the end of backward
+    carried: bool = False  # a last unit of the forward, held into its backward
     borrowed: bool = False  # an attached unit read on demand: held as long as the root is kept
     hooked: bool = False  # its forward ran in this pass with outputs that backward will reach
     ready_grads: int = 0  # parameters whose gradient was accumulated in this backward
@@ -79,6 +80,7 @@ class Unit:
             or self.in_backward
             or self.prefetched
             or self.kept
+            or self.carried
             or self.borrowed
             or self.pinned
             or self.scoped
