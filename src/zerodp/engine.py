@@ -33,11 +33,11 @@ from zerodp.comm import BETWEEN_STEPS, CommLedger, CommStats, Communicator, Grou
 from zerodp.config import ZeroConfig
 from zerodp.forward_hooks import ForwardHooks
 from zerodp.grads.sync import GradSync
-from zerodp.memory.report import Holdings, optimizer_bytes
+from zerodp.memory.report import Holdings
 from zerodp.offload.build import offload_pieces, offload_step
 from zerodp.offload.host_memory import bound_host_allocator
 from zerodp.offload.landing import Landing
-from zerodp.offload.partial import PartialStep, resolve_fraction
+from zerodp.offload.partial import offload_fraction, offloaded_share, partial_step
 from zerodp.offload.refuse import refuse_adoption
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
@@ -108,7 +108,8 @@ class ZeroEngine:
         self._groups = group_of_params(optimizer)  # by parameter id: frozen ones too
         optimized = set(self._groups)
         fp32 = self.cast.fp32_ids  # BatchNorm's, kept fp32 in segments of their own
-        fraction = self._offload_fraction(trainable, optimizer)
+        world, precision = self.comm.world_size, config.precision.compute
+        fraction = offload_fraction(self.plan, trainable, optimizer, world, precision)
         self.param_sync = make_param_sync(
             model, trainable, optimized, self.plan, config, self.comm, fp32, stage3, fraction
         )
@@ -170,18 +171,6 @@ class ZeroEngine:
 
     # -- construction --------------------------------------------------------------------------
 
-    def _offload_fraction(
-        self, trainable: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
-    ) -> float:
-        """What part of the optimizer state to offload ([Note: partial offload])."""
-        plan = self.plan
-        if plan.offload_optimizer == "none":
-            return 1.0
-        owned = sum(p.numel() for _, p in trainable) // self.comm.world_size
-        device = trainable[0][1].device if trainable else torch.device("cpu")
-        per_element = optimizer_bytes(optimizer, self.config.precision.compute)
-        return resolve_fraction(plan.offload_fraction, device, owned, per_element)
-
     def _broadcast_frozen_and_buffers(self) -> None:
         """Rank 0's frozen parameters (after the compute-dtype cast: the same values) and
         buffers."""
@@ -230,19 +219,7 @@ class ZeroEngine:
         sync = self.param_sync
         check = partial(runner, self._build_pieces(cut=False)) if sync.spill is None else None
         step = offload_step(*args, optimizer, sync.home, sync.spill, check)
-        if not self.masters.kept:
-            return step
-        kept = [op for op in self.pieces if not self.masters.on_host(op.seg)]
-        plan = self.plan
-        device = make_runner(
-            self.segments,
-            kept,
-            mixed=plan.mixed,
-            sharded=plan.shard_optimizer,
-            rank=self.comm.rank,
-            factors=step.device.pending_factors,
-        )
-        return PartialStep(device, step, self.masters)
+        return partial_step(self.plan, self.segments, self.pieces, self.masters, step)
 
     def _adopt_unfrozen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """[Note: unfreezing] in optim/adoption.py."""
@@ -493,16 +470,10 @@ class ZeroEngine:
             gradients_offload=self.plan.offload_gradients,
             kept=tuple(op.tensor for op in self.pieces if op.seg in self.masters.kept),
             kept_masters=self.masters.nbytes_where(host=False) if self.landing else 0,
-            offload_fraction=self._offloaded_share(),
+            offload_fraction=offloaded_share(self.pieces, self.masters.kept)
+            if self.landing is not None
+            else 1.0,
         )
-
-    def _offloaded_share(self) -> float:
-        """Of this rank's optimizer elements, the share offloaded (1 without partial offload;
-        not offloading at all is 1 too: the field describes what is offloaded)."""
-        sizes = [(op.piece.flat_range.numel, op.seg in self.masters.kept) for op in self.pieces]
-        total = sum(n for n, _ in sizes)
-        kept = sum(n for n, on_device in sizes if on_device)
-        return 1.0 - kept / total if total and self.landing is not None else 1.0
 
     def nvme_io(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier's files since initialize."""

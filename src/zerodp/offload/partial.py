@@ -33,11 +33,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from zerodp.comm import Communicator
+from zerodp.memory.report import optimizer_bytes
 from zerodp.offload.runner import OffloadStep
 from zerodp.optim.masters import Masters, ReducedGrads
-from zerodp.optim.runner import StepRunner
+from zerodp.optim.pieces import OptimPiece
+from zerodp.optim.runner import StepRunner, make_runner
+from zerodp.partition.segment import Segment
+from zerodp.plan import Plan
 
 AUTO_SHARE = 0.5  # of the free device memory, what "auto" gives the kept optimizer state
 
@@ -139,3 +144,52 @@ class PartialStep:
     @property
     def host_nbytes(self) -> dict[str, int]:
         return self.host.host_nbytes
+
+
+def offload_fraction(
+    plan: Plan,
+    trainable: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    world_size: int,
+    precision: str,
+) -> float:
+    """What part of this rank's optimizer state to offload (1 without offload; see the note);
+    ``precision``: the compute dtype's name (the optimizer's bytes per element depend on it)."""
+    if plan.offload_optimizer == "none":
+        return 1.0
+    owned = sum(p.numel() for _, p in trainable) // world_size
+    device = trainable[0][1].device if trainable else torch.device("cpu")
+    per_element = optimizer_bytes(optimizer, precision)
+    return resolve_fraction(plan.offload_fraction, device, owned, per_element)
+
+
+def partial_step(
+    plan: Plan,
+    segments: list[Segment],
+    pieces: list[OptimPiece],
+    masters: Masters,
+    step: OffloadStep,
+) -> StepRunner:
+    """``step`` alone, or with kept segments ``PartialStep`` over it and a device runner of
+    theirs (clipped by ``step``'s check: its pending factors)."""
+    if not masters.kept:
+        return step
+    kept = [op for op in pieces if not masters.on_host(op.seg)]
+    device = make_runner(
+        segments,
+        kept,
+        mixed=plan.mixed,
+        sharded=plan.shard_optimizer,
+        rank=masters.rank,
+        factors=step.device.pending_factors,
+    )
+    return PartialStep(device, step, masters)
+
+
+def offloaded_share(pieces: list[OptimPiece], kept: frozenset[int]) -> float:
+    """Of this rank's optimizer elements, the share offloaded (the memory report's
+    ``offload_fraction``)."""
+    sizes = [(op.piece.flat_range.numel, op.seg in kept) for op in pieces]
+    total = sum(n for n, _ in sizes)
+    on_device = sum(n for n, is_kept in sizes if is_kept)
+    return 1.0 - on_device / total if total else 1.0
