@@ -117,7 +117,8 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     cast = h * (FP32 + pb) / (2 * copy)  # fp32 masters -> compute-dtype parameters
     adam = h / m.cpu_adam_params_per_s
     grads_nvme = p.gradients == "nvme"  # written in the backward, read by the step
-    grads_d2h = 0.0 if grads_nvme else pb * h / pcie
+    grads_out = pb * h / pcie  # the offloaded gradients to the host: in the backward or the step
+    grads_d2h = 0.0 if grads_nvme else grads_out  # in the step
     updates_h2d = 0.0 if params_off else pb * h / pcie
     shard = pb * c.resting_params * p.offloaded  # the offloaded units' shards
     units_h2d = shard / pcie if params_off else 0.0  # one pass: the forward or the backward
@@ -133,7 +134,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     # NVMe as reduced.
     if params_off or grads_nvme:
         stages = [("disk", params_read + grads_write), ("pcie h2d", units_h2d)]
-        out = pb * h / pcie if grads_nvme else 0.0  # the reduced gradients, to the disk
+        out = grads_out - grads_d2h  # with the gradients on NVMe: on their way to the disk
         back, back_by = pipeline([*stages, ("compute", backward), ("pcie d2h", out)], w.units)
     else:
         back, back_by = backward, "compute"
@@ -142,7 +143,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
     chunks = h / c.ring_chunk if h else 1.0
     disk = state_read + state_write + params_write + grads_read
     host_stages = [
-        ("pcie d2h", pb * h / pcie if h else 0.0),  # in the backward or the step
+        ("pcie d2h", grads_d2h),
         ("host memcpy", unpack),
         ("disk", disk),
         ("cpu adam", adam),
@@ -193,7 +194,7 @@ def predict_step(w: Workload, p: Placement, m: Machine) -> StepTime:
         ("device step", device_step),
         ("cpu adam", adam),
         ("host memcpy", unpack + cast),
-        ("pcie d2h", pb * h / pcie if h else 0.0),  # in the backward or the step
+        ("pcie d2h", grads_out),
         ("pcie h2d", updates_h2d + 2 * units_h2d),
         ("disk read", state_read + 2 * params_read + grads_read),
         ("disk write", state_write + params_write + grads_write),

@@ -14,6 +14,8 @@ more memory than the bound. ``depth`` 0 disables prefetching.
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 class PassOrder:
     """The order units ran in during one kind of pass, recorded to predict the next one."""
@@ -50,13 +52,14 @@ class PassOrder:
     def tail(self, count: int, skip: int) -> set[int]:
         """The last ``count`` units of the recorded order, but ``skip`` (the root); none before
         a unit that ran more than once (it may be needed again before the backward)."""
+        runs = Counter(self.last)
         out: set[int] = set()
         for unit in reversed(self.last):
             if len(out) == count:
                 break
             if unit == skip:
                 continue
-            if self.last.count(unit) > 1:
+            if runs[unit] > 1:
                 break
             out.add(unit)
         return out

@@ -109,12 +109,11 @@ def train_step(
         last = micro == options.grad_accum - 1
         # Only the last backward of the step communicates; the others accumulate locally.
         sync = contextlib.nullcontext() if last else cast(ZeroModule, model).no_sync()
-        counting = measure is not None and last
-        saved = SavedForBackward(model.parameters()) if counting else contextlib.nullcontext()
+        saved = SavedForBackward(model.parameters()) if measure and last else None
         with sync:
-            with saved:
+            with saved or contextlib.nullcontext():
                 _, loss = model(x.to(ctx.device), y.to(ctx.device))
-            if isinstance(saved, SavedForBackward) and measure is not None:
+            if saved is not None and measure is not None:
                 measure.activations = saved.alive_bytes()  # stage 3's gathered ones are freed
                 saved.release()
             assert loss is not None
