@@ -470,21 +470,22 @@ def test_units_that_differ_across_ranks_are_refused(world):
         )
 
 
-def case_order_check_exchanges() -> list[int]:
-    """Exchanges of the unit-order check per step (``OrderCheck.calls``)."""
+def case_order_check_exchanges(order: bool | str) -> list[tuple[int, int]]:
+    """Exchanges of the unit-order check per step: (blocking, committed)."""
     rank, world = rank_world()
     torch.manual_seed(0)
     model = Stack()
-    model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _cfg())
+    cfg = _cfg(check_unit_order=order)
+    model, opt = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     check = opt.engine.params.check
     per_step = []
-    for step in range(3):
-        before = check.calls
+    for step in range(4):
+        calls, committed = check.calls, check.committed
         x, y = batches(step, world, 3, [(8,), (8,)])[rank]
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        per_step.append(check.calls - before)
+        per_step.append((check.calls - calls, check.committed - committed))
     return per_step
 
 
@@ -493,9 +494,18 @@ def test_order_check_agrees_on_each_backward_hook_once(world):
     Backward: the last block's gather with the prefetch of the one before it; then at each
     block's hook the reduce-scatter of the block after it with the next prefetch; the last
     reduce-scatters at the end of backward; then the step: 4 + 5 + 1 = 10 (one exchange per
-    collective would be 4 + 8 + 1 = 13)."""
-    for per_step in world(2).run(case_order_check_exchanges, timeout=TIMEOUT):
-        assert per_step == [10, 10, 10], per_step
+    collective would be 4 + 8 + 1 = 13). ``check_unit_order="exchange"``: every one blocks."""
+    for per_step in world(2).run(case_order_check_exchanges, "exchange", timeout=TIMEOUT):
+        assert per_step == [(10, 0)] * 4, per_step
+
+
+def test_order_check_replays_a_step_that_ran_alike(world):
+    """[Note: verified orders] The first step exchanges blocking (10, as above). The second
+    parts from it, on every rank alike, where the last block stays gathered into the backward
+    (the first step keeps none): its first 4 exchanges (the forward) are committed, the rest
+    block. From the third on only the step blocks; the other 9 exchanges are committed."""
+    for per_step in world(2).run(case_order_check_exchanges, True, timeout=TIMEOUT):
+        assert per_step == [(10, 0), (6, 4), (1, 9), (1, 9)], per_step
 
 
 def case_backward_starts_elsewhere() -> float:

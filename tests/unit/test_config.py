@@ -131,7 +131,7 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], message: str) -> 
         ),
         (
             lambda: Stage3(check_unit_order=1),
-            "ZeroConfig.stage3.check_unit_order must be True or False; got 1",
+            "ZeroConfig.stage3.check_unit_order must be True, False or 'exchange'; got 1",
         ),
     ],
 )

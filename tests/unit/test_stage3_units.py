@@ -154,7 +154,10 @@ def test_pass_order_follows_repeats_and_uses_a_guess():
         ({"unit_classes": ("",)}, "ZeroConfig.stage3.unit_classes must be a tuple of module "),
         ({"prefetch_depth": -1}, "ZeroConfig.stage3.prefetch_depth must be a non-negative int"),
         ({"persist_numel": 1.5}, "ZeroConfig.stage3.persist_numel must be a non-negative int"),
-        ({"check_unit_order": 1}, "ZeroConfig.stage3.check_unit_order must be True or False"),
+        (
+            {"check_unit_order": 1},
+            "ZeroConfig.stage3.check_unit_order must be True, False or 'exchange'",
+        ),
     ],
 )
 def test_invalid_stage3_settings(kwargs, message):

@@ -298,18 +298,31 @@ class Communicator:
         )
         return self._gather_rows(tensor)
 
+    def all_gather_control_async(self, tensor: torch.Tensor) -> tuple[Handle, torch.Tensor]:
+        """``all_gather_control`` without waiting: the handle, and the rows it will fill."""
+        self.ledger.record(
+            "all_gather", self.world_size * tensor.numel(), tensor.element_size(), CONTROL
+        )
+        return self._gather_rows_async(tensor)
+
     def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        handle, rows = self._gather_rows_async(tensor)
+        handle.wait()
+        return rows
+
+    def _gather_rows_async(self, tensor: torch.Tensor) -> tuple[Handle, torch.Tensor]:
         out = tensor.new_empty(self.world_size * tensor.numel())
         flat, group = tensor.reshape(-1), self.group
+        handle = Handle(None)
         if self.world_size == 1:
             out.copy_(flat)
         else:
-            self._run(
+            handle = self._run(
                 "all_gather",
                 lambda: dist.all_gather_single(out, flat, group=group, async_op=True),
-                False,
+                True,
             )
-        return out.view(self.world_size, *tensor.shape)
+        return handle, out.view(self.world_size, *tensor.shape)
 
     def all_gather_object(self, obj: object) -> list[Any]:
         """Every rank's picklable ``obj``: sizes, then the padded pickles (what torch's

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from zerodp.config.checks import (
-    check_bool,
     check_choice,
     check_in_range,
     check_non_negative_int,
@@ -155,12 +154,16 @@ class Stage3(Policy):
     0's all-reduce. Trainable parameters that no optimizer group holds are persistent too. The
     memory report counts them (``persistent_parameters``)."""
 
-    check_unit_order: bool = True
+    check_unit_order: bool | str = True
     """Before each parameter collective, agree (one tiny all-gather) on what every rank is
     about to do: where ranks run different units (mixture-of-experts routing, a layer skipped
     on one rank) their plans are merged and each rank joins the others' collectives ([Note:
     merged plans] in params/order.py); where they cannot be merged every rank raises a clear
-    error instead of hanging. Costs a small blocking collective, about 2 per unit per step.
+    error instead of hanging. ``True``: blocking exchanges (about 2 per unit) until a step
+    runs alike on every rank, then each step replays the last one's order and checks it
+    without waiting; ranks that part from it raise the divergence error ([Note: verified
+    orders] in params/replay.py), and once plans were merged every exchange blocks.
+    ``"exchange"``: always block (ranks that run the same units for many steps, then not).
     ``False`` is unsafe with control flow that differs between ranks (docs/stage3.md)."""
 
     def __post_init__(self) -> None:
@@ -178,4 +181,9 @@ class Stage3(Policy):
         check_non_negative_int(self, "prefetch_depth")
         check_non_negative_int(self, "keep_last_units")
         check_non_negative_int(self, "persist_numel")
-        check_bool(self, "check_unit_order")
+        order = self.check_unit_order
+        if not (isinstance(order, bool) or order == "exchange"):
+            raise ValueError(
+                f"{field_path(self, 'check_unit_order')} must be True, False or 'exchange'; "
+                f"got {self.check_unit_order!r}"
+            )

@@ -398,6 +398,12 @@ class Schedule:
                 self.grads.reduce(i, checked=False)
             self.trace("reduce_extra", unit)
 
+    def stand_in(self, op: Op, index: int) -> None:
+        if index >= len(self.units):  # a persistent segment ([Note: verified orders])
+            self.grads.reduce(self.persistent_seg_ids[index - len(self.units)], checked=False)
+        else:
+            self.issue(op, index)
+
     # -- holding and releasing -----------------------------------------------------------------
 
     def gather_on_read(self, unit: Unit) -> bool:

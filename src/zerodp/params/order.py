@@ -9,8 +9,10 @@ counted as model data). Any difference raises the same ``RuntimeError`` on every
 what each rank was about to do. Because every stage-3 collective is preceded by a check of the
 same shape, the first divergent point always meets a check on every rank.
 
-The check is one small blocking collective: it makes every rank wait for the slowest to reach
-the same point (measured: that synchronisation, not the collective's latency, is its cost). So
+The check is one small collective; blocking, it makes every rank wait for the slowest to reach
+the same point (measured: that synchronisation, not the collective's latency, is its cost), so
+once a step has run alike on every rank the next ones replay its order and check each exchange
+later without waiting ([Note: verified orders] in replay.py). Also
 where one hook is about to issue several collectives (the backward hook of a unit reduce-scatters
 the unit that just finished and prefetches the next one; the end of backward reduces every unit
 left), ``approve`` agrees on the whole plan, up to ``PLAN_SLOTS`` collectives per exchange, and
@@ -21,7 +23,8 @@ shape and every rank raises. Each exchange also carries a *marker* column (``mar
 rank started since the last exchange (a training forward, a forward without gradients,
 ``generate``), so ranks doing different kinds of work over the same units are told apart with
 no extra exchange ([Note: inference] in hooks.py). ``ZeroConfig.stage3.check_unit_order=False``
-skips the checks once a model is known to run the same units on every rank.
+skips the checks once a model is known to run the same units on every rank; ``"exchange"``
+keeps every exchange blocking (no replay).
 
 [Note: merged plans]
 Ranks may run different units (top-1 MoE routing, a layer dropped on one rank, a branch taken on
@@ -46,7 +49,6 @@ anywhere, on every rank, plus one control all-gather per differing exchange.
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -55,52 +57,20 @@ from typing import NoReturn, Protocol
 import torch
 
 from zerodp.comm import STEP_PHASES, Communicator
-
-
-class Op(enum.IntEnum):
-    NOTHING = 0  # an unused slot of a plan
-    GATHER = 1
-    REDUCE = 2
-    STEP = 3
-    BUFFERS = 7  # the broadcast of the root's buffers before a training forward
-    CHECKPOINT = 8  # save_checkpoint / load_checkpoint's first exchange
-    # Markers (``OrderCheck.mark``): no collective of their own; what a rank starts, agreed on
-    # in the next exchange ([Note: inference] in hooks.py).
-    TRAIN = 4
-    INFER = 5
-    GENERATE = 6
-
-
-_UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS, Op.CHECKPOINT)
-
-PLAN_SLOTS = 4
-"""Collectives agreed on per exchange (``approve``); every exchange has this shape."""
-
-
-_VERBS = {
-    Op.NOTHING: "issues nothing more",
-    Op.GATHER: "all-gathers",
-    Op.REDUCE: "reduce-scatters",
-    Op.STEP: "is at the step",
-    Op.TRAIN: "starts a training forward",
-    Op.INFER: "starts a forward without gradients (eval / no_grad)",
-    Op.GENERATE: "starts model.generate",
-    Op.BUFFERS: "broadcasts the module buffers",
-    Op.CHECKPOINT: "saves or loads a checkpoint",
-}
-
-_INFERENCE_HINT = (
-    " To generate or evaluate on some ranks only, or a different number of batches per rank, "
-    "hold the full parameters on every rank for the block: `with zerodp.full_parameters(model):`"
-    " (every rank), then run the forwards or generate on the ranks that need them inside it; "
-    "model.generate on every rank needs nothing (it keeps the ranks in step). See "
-    'docs/stage3.md, "Inference and generate".'
+from zerodp.params.order_story import (
+    Item,
+    Op,
+    divergence_message,
+    first_difference,
 )
+from zerodp.params.replay import PLAN_SLOTS, WINDOW, CommittedRows, Entry, Replay
+
+__all__ = ["PLAN_SLOTS", "Extras", "Op", "OrderCheck"]
 
 
 class Extras(Protocol):
     """What the schedule does for collectives other ranks planned and this rank did not
-    ([Note: merged plans])."""
+    ([Note: merged plans]), or issued after a divergence ([Note: verified orders])."""
 
     def can(self, op: Op, index: int) -> bool:
         """Whether this rank can issue ``op`` on ``index`` as an extra now."""
@@ -114,6 +84,11 @@ class Extras(Protocol):
         """Issue it (in the merged order)."""
         ...
 
+    def stand_in(self, op: Op, index: int) -> None:
+        """Take part in it whatever this rank's state, changing none (the ranks diverged and
+        are about to raise): all-gather into scratch, reduce-scatter what it holds."""
+        ...
+
 
 class _GathersOnly:
     def can(self, op: Op, index: int) -> bool:
@@ -125,22 +100,32 @@ class _GathersOnly:
     def issue(self, op: Op, index: int) -> None:
         raise AssertionError("no extras without a schedule")
 
+    def stand_in(self, op: Op, index: int) -> None:
+        raise AssertionError("no extras without a schedule")
 
-_HEAD = 6  # error, marker, position, blocked, backwards, plan length
+
+# A row: error, marker, position, blocked, backwards, plan length, committed; then the plan.
+_HEAD = 7
+_COMMITTED = 6
 
 
 class OrderCheck:
     """Agreement of all ranks on the next stage-3 collectives (see module docstring)."""
 
     def __init__(
-        self, comm: Communicator, labels: list[str], enabled: bool, device: torch.device
+        self,
+        comm: Communicator,
+        labels: list[str],
+        enabled: bool | str,
+        device: torch.device,
     ) -> None:
         self.comm = comm
         self.device = device
         self.labels = labels  # what each index names: units, then persistent segments
-        self.enabled = enabled and comm.world_size > 1
+        self.enabled = bool(enabled) and comm.world_size > 1
         self.error = ""  # a local problem every rank must learn about (raised at the next check)
-        self.calls = 0  # exchanges so far
+        self.calls = 0  # blocking exchanges so far
+        self.committed = 0  # rows sent without waiting ([Note: verified orders])
         self.merges = 0  # exchanges whose plans differed and were merged
         self._extras: Callable[[], Extras | None] = lambda: None
         self.backwards = 0  # backward passes begun (set by the schedule)
@@ -148,6 +133,8 @@ class OrderCheck:
         self._sequence: deque[tuple[Op, int, bool]] = deque()
         self._marker = Op.NOTHING  # sent with the next exchange
         self._positions: list[int] = []  # every rank's step position at the last exchange
+        self.replay = Replay(self.enabled and enabled != "exchange")
+        self._rows = CommittedRows()
 
     @property
     def extras(self) -> Extras:
@@ -192,7 +179,7 @@ class OrderCheck:
         if self.enabled:
             self._marker = marker
 
-    def approve(self, plan: list[tuple[Op, int]], blocked: bool = False) -> list[bool]:
+    def approve(self, plan: list[Item], blocked: bool = False) -> list[bool]:
         """Agree with every rank on the next collectives, in order (see the module
         docstring); the matching calls then need no exchange. Returns, per item of ``plan``,
         whether it was agreed: an item is left out only where some rank cannot issue it now
@@ -206,15 +193,26 @@ class OrderCheck:
         self.issue_extras()
         if self._sequence:
             raise RuntimeError(f"zerodp internal error: {list(self._sequence)} not issued")
+        entry: Entry = (int(self._marker), tuple(plan))
+        replay = self.replay
+        if not self.error and replay.expects(entry):  # [Note: verified orders]
+            self._check_rows(replay.position - WINDOW)
+            handle, rows = self.comm.all_gather_control_async(self._row(plan, False, True))
+            self._rows.add(replay.position, handle, rows)
+            self.committed += 1
+            return self._agreed(entry)
+        self._check_rows(replay.position)  # every older row, before exchanging blocking
         plans, head = self._exchange(plan, blocked)
+        if any(row[_COMMITTED] for row in head):  # others follow the prediction: diverged
+            self._replay_diverged(replay.position, plans, head, stand_in=True)
+        self._check_head(head)
         if all(p == plan for p in plans):
             if len({row[1] for row in head}) > 1:  # same plan, different kinds of work
                 self._diverged([(Op(row[1]), -1) for row in head])
-            self._marker = Op.NOTHING
-            self._sequence.extend((op, i, True) for op, i in plan)
-            return [True] * len(plan)
+            return self._agreed(entry)
+        self.replay.off()
         if len(set(self._positions)) > 1:  # ranks at different steps: never merged
-            self._diverged(_first_difference(plans))
+            self._diverged(first_difference(plans))
         # Markers: the ranks are not at the same point; a marker no rank contradicts waits.
         if len({row[1] for row in head}) == 1:
             self._marker = Op.NOTHING
@@ -228,7 +226,7 @@ class OrderCheck:
         self.merges += 1
         agreed = {c for k, c in enumerate(union) if bool(everyone[:, k].all())}
         if not agreed and all(row[3] for row in head):  # nobody can go on
-            self._diverged(_first_difference(plans))
+            self._diverged(first_difference(plans))
         while True:
             lists = [[c for c in p if c in agreed] for p in plans]
             order = _merge(lists)
@@ -239,7 +237,7 @@ class OrderCheck:
             # reduce-scatter for later, never a gather (a rank needs its gathers now).
             late = next((q[0] for q in lists if q and q[0][0] is Op.REDUCE), None)
             if late is None:
-                self._diverged(_first_difference(plans))
+                self._diverged(first_difference(plans))
             agreed.discard(late)
         for op, i in order:
             own = (op, i) in plan
@@ -248,7 +246,16 @@ class OrderCheck:
             self._sequence.append((op, i, own))
         return [c in agreed for c in plan]
 
-    def _can_extra(self, item: tuple[Op, int], same_pass: bool) -> bool:
+    def _agreed(self, entry: Entry) -> list[bool]:
+        """Every rank plans ``entry``: issue it as it is."""
+        self._marker = Op.NOTHING
+        self._sequence.extend((op, i, True) for op, i in entry[1])
+        self.replay.advance(entry)
+        if entry[1] == ((Op.STEP, -1),):
+            self.replay.end_step()
+        return [True] * len(entry[1])
+
+    def _can_extra(self, item: Item, same_pass: bool) -> bool:
         op, index = item
         if op is Op.GATHER or (op is Op.REDUCE and same_pass):
             return self.extras.can(op, index)
@@ -259,38 +266,90 @@ class OrderCheck:
             error, self.error = self.error, ""
             raise RuntimeError(error)
 
+    def _row(self, part: list[Item], blocked: bool, committed: bool) -> torch.Tensor:
+        """The first row of an exchange: the head, then up to ``PLAN_SLOTS`` items."""
+        head = [int(bool(self.error)), int(self._marker), _position(self.comm), int(blocked)]
+        head += [self.backwards, len(part), int(committed)]
+        return torch.tensor(head + _slots(part[:PLAN_SLOTS]), dtype=torch.int64, device=self.device)
+
     def _exchange(
-        self, plan: list[tuple[Op, int]], blocked: bool
-    ) -> tuple[list[list[tuple[Op, int]]], list[list[int]]]:
+        self, plan: list[Item], blocked: bool
+    ) -> tuple[list[list[Item]], list[list[int]]]:
         """Every rank's plan and head row (error, marker, position, blocked, backwards,
-        length): one all-gather of ``PLAN_SLOTS`` items, and more only where a plan is
-        longer (every rank learns the longest length from the first)."""
-        flags = [int(bool(self.error)), int(self._marker), _position(self.comm), int(blocked)]
-        flags += [self.backwards, len(plan)]
-        rows: list[list[int]] = []
-        sent = 0
-        while True:
-            part = plan[sent : sent + PLAN_SLOTS]
-            part = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
-            row = (flags if sent == 0 else []) + [v for op, i in part for v in (int(op), i)]
-            mine = torch.tensor(row, dtype=torch.int64, device=self.device)
-            got = self.comm.all_gather_control(mine).reshape(-1, len(row)).tolist()
-            self.calls += 1
-            if sent == 0:
-                rows = got
-                self._check_head(rows)
-            else:
+        length, committed): one all-gather of ``PLAN_SLOTS`` items, and more only where a
+        plan is longer (every rank learns the longest length from the first) and no rank
+        committed its row (a committed rank sends one)."""
+        rows = self.comm.all_gather_control(self._row(plan, blocked, False)).tolist()
+        self.calls += 1
+        longest = max(row[5] for row in rows)
+        if not any(row[_COMMITTED] for row in rows):
+            for sent in range(PLAN_SLOTS, longest, PLAN_SLOTS):
+                mine = torch.tensor(_slots(plan[sent : sent + PLAN_SLOTS]), device=self.device)
+                got = self.comm.all_gather_control(mine).reshape(len(rows), -1).tolist()
+                self.calls += 1
                 rows = [a + b for a, b in zip(rows, got, strict=True)]
-            sent += PLAN_SLOTS
-            if sent >= max(row[5] for row in rows):
-                break
-        plans = [[(Op(r[k]), r[k + 1]) for k in range(_HEAD, _HEAD + 2 * r[5], 2)] for r in rows]
+        plans = [_plan(row) for row in rows]
         return plans, [r[:_HEAD] for r in rows]
+
+    def _check_rows(self, upto: int) -> None:
+        """Check the committed rows at positions ``<= upto``: every rank sent the same."""
+        for position, rows in self._rows.due(upto):
+            plans = [_plan(row) for row in rows]
+            head = [row[:_HEAD] for row in rows]
+            same = all(p == plans[0] for p in plans) and len({r[1] for r in head}) == 1
+            if not same or any(r[0] or not r[_COMMITTED] for r in head):
+                self._replay_diverged(position, plans, head, stand_in=False)
+
+    def _replay_diverged(
+        self, position: int, plans: list[list[Item]], head: list[list[int]], stand_in: bool
+    ) -> NoReturn:
+        """Ranks parted from the replayed order at ``position`` ([Note: verified orders]): issue
+        what the committed ranks can have issued (standing in for ``position`` itself when
+        this rank did not commit it), wait for it all, then raise the same error everywhere."""
+        self._positions = [row[2] for row in head]
+        flagged = [r for r, row in enumerate(head) if row[0]]
+        error, self.error = self.error, ""
+        markers = [Op(row[1]) for row in head]
+        if flagged:
+            message = (
+                f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
+            )
+        elif len(set(markers)) > 1 and (
+            Op.NOTHING not in markers or all(p == plans[0] for p in plans)
+        ):  # as ``_check_head`` tells it: what each rank started
+            seen = [
+                (m, -1) if m is not Op.NOTHING else p[0]
+                for m, p in zip(markers, plans, strict=True)
+            ]
+            message = divergence_message(seen, self._positions, self.labels)
+        else:
+            message = divergence_message(
+                first_difference(plans), self._positions, self.labels, replayed=True
+            )
+        replay = self.replay
+        end = replay.padding_end(position)
+        first = position if stand_in else replay.position
+        for p in range(first, end + 1):
+            entry = replay.predicted(p)
+            assert entry is not None
+            if p > position or not stand_in:
+                handle, rows = self.comm.all_gather_control_async(
+                    self._row(list(entry[1]), False, True)
+                )
+                self._rows.add(p, handle, rows)
+            for op, i in entry[1]:
+                self.extras.stand_in(op, i)
+        self._rows.drain()
+        replay.off()
+        self._sequence.clear()
+        self._marker = Op.NOTHING
+        raise RuntimeError(message)
 
     def _check_head(self, rows: list[list[int]]) -> None:
         flagged = [r for r, row in enumerate(rows) if row[0]]
         if flagged:
             error, self.error = self.error, ""
+            self.replay.off()
             raise RuntimeError(
                 f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
             )
@@ -301,37 +360,22 @@ class OrderCheck:
         if Op.NOTHING not in markers and len(set(markers)) > 1:
             self._diverged([(m, -1) for m in markers])
 
-    def _diverged(self, seen: list[tuple[Op, int]]) -> NoReturn:
+    def _diverged(self, seen: list[Item]) -> NoReturn:
         self._sequence.clear()
-        doing = "; ".join(f"rank {r} {self._describe(o, i)}" for r, (o, i) in enumerate(seen))
-        if any(o in (Op.INFER, Op.GENERATE) for o, _ in seen):
-            advice = (
-                "Every rank must run the same forwards at stage 3 (each gathers parameters)."
-                + _INFERENCE_HINT
-            )
-        else:
-            advice = (
-                "Every rank must run the same backwards and steps; units that run on some "
-                "ranks only are merged, but not the same units in different orders (put "
-                "their parameters in an enclosing unit via ZeroConfig.stage3.unit_classes or "
-                "unit_policy)"
-            )
-        if len(set(self._positions)) > 1:  # the usual cause: say it first
-            where = ", ".join(
-                f"rank {r} {_describe_position(v)}" for r, v in enumerate(self._positions)
-            )
-            advice = (
-                f"Ranks are at different steps ({where}): every rank must run the same number "
-                "of optimizer steps (before save_checkpoint or load_checkpoint too). " + advice
-            )
-        raise RuntimeError(
-            f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
-        )
+        self.replay.off()
+        raise RuntimeError(divergence_message(seen, self._positions, self.labels))
 
-    def _describe(self, op: Op, index: int) -> str:
-        if op in _UNLABELLED:
-            return _VERBS[op]
-        return f"{_VERBS[op]} '{self.labels[index]}'"
+
+def _slots(part: list[Item]) -> list[int]:
+    """``PLAN_SLOTS`` items of a plan as row columns, padded with ``NOTHING``."""
+    part = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
+    return [v for op, i in part for v in (int(op), i)]
+
+
+def _plan(row: list[int]) -> list[Item]:
+    """The plan of an exchanged row (as far as it was sent)."""
+    length = min(row[5], (len(row) - _HEAD) // 2)
+    return [(Op(row[k]), row[k + 1]) for k in range(_HEAD, _HEAD + 2 * length, 2)]
 
 
 def _position(comm: Communicator) -> int:
@@ -339,22 +383,6 @@ def _position(comm: Communicator) -> int:
     program at every exchange."""
     progress = comm.progress
     return 2 * progress.step + int(progress.phase in STEP_PHASES)
-
-
-def _describe_position(value: int) -> str:
-    step, inside = divmod(value, 2)
-    return f"in step {step + 1}" if inside else f"after step {step}"
-
-
-def _first_difference(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]]:
-    """Per rank, its item at the first position where the plans differ."""
-    width = max(len(p) for p in plans)
-    padded = [p + [(Op.NOTHING, -1)] * (width - len(p)) for p in plans]
-    for k in range(width):
-        seen = [p[k] for p in padded]
-        if any(s != seen[0] for s in seen):
-            return seen
-    return [p[0] for p in padded]
 
 
 def _merge(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]] | None:

@@ -1,0 +1,187 @@
+"""Stage 3's replayed unit order ([Note: verified orders] in params/replay.py): once a step ran
+alike on every rank, the next ones check their order without blocking. Ranks that part from it,
+in the forward, in the backward or by the kind of forward, raise the same clear error on every
+rank, quickly, with nothing left in flight (a fresh model trains in parity right after); ranks
+that all change their order together go on, in parity."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stage3_models import Stack
+from zerotest import adamw_two_groups, assert_close, batches, make_pair, rank_world, reference_step
+
+import zerodp
+from zerodp import Stage3
+
+TIMEOUT = 120.0
+FAST = 20.0  # seconds: far below the watchdog's timeout, so nothing waited for a late rank
+EVEN = (16, 16, 16, 16)  # blocks of one size: a swapped gather would complete and mix data
+UNEVEN = (12, 20, 16, 9)
+
+
+class Partly(Stack):
+    """``detach``: the backward stops before the last two blocks' backward (the first two
+    get no gradient)."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, order: list[int] | None = None, detach: bool = False
+    ) -> torch.Tensor:
+        if detach:
+            x = self.blocks[1](self.blocks[0](x)).detach()
+            order = [2, 3]
+        return super().forward(x, order)
+
+
+def _cfg(order: bool | str = True, depth: int = 1) -> zerodp.ZeroConfig:
+    stage3 = Stage3(unit_min_numel=1, prefetch_depth=depth, check_unit_order=order)
+    return zerodp.ZeroConfig(stage=3, stage3=stage3)
+
+
+def _step(pair, step: int, world: int, rank: int, odd: dict | None = None) -> None:
+    """One step of ``pair`` and its reference; the last rank's forward takes ``odd``."""
+    data = batches(step, world, 3, [(8,), (8,)])
+
+    def loss(m: torch.nn.Module, r: int) -> torch.Tensor:
+        x, y = data[r]
+        return F.mse_loss(m(x, **(odd if odd and r == world - 1 else {})), y)
+
+    reference_step(pair, loss, world)
+    loss(pair.model, rank).backward()
+    pair.opt.step()
+    pair.opt.zero_grad()
+
+
+def _odd_step(pair, kind: str, world: int, rank: int) -> None:
+    last = rank == world - 1
+    if kind == "eval":  # the last rank evaluates while the others train
+        x, y = batches(3, world, 3, [(8,), (8,)])[rank]
+        if last:
+            with torch.no_grad():
+                pair.model(x)
+        else:
+            F.mse_loss(pair.model(x), y).backward()
+        return
+    odd = {
+        "swap": {"order": [0, 2, 1, 3]},
+        "skip": {"order": [0, 1, 3]},
+        "detach": {"detach": True},
+    }[kind]
+    _step(pair, 3, world, rank, odd)
+
+
+def case_late_divergence(kind: str, hiddens: tuple[int, ...], order: bool | str) -> dict:
+    rank, world = rank_world()
+    pair = make_pair(lambda: Partly(hiddens=hiddens), adamw_two_groups, _cfg(order))
+    for step in range(3):  # the third replays the second
+        _step(pair, step, world, rank)
+    check = pair.opt.engine.params.check
+    replaying = check.replay.predicted(check.replay.position) is not None
+    start = time.monotonic()
+    try:
+        _odd_step(pair, kind, world, rank)
+        message = "finished"
+        worst = assert_close(pair.model, pair.ref, what=kind)
+    except RuntimeError as e:
+        message, worst = str(e), -1.0
+    took = time.monotonic() - start
+    # Nothing in flight: a fresh model's collectives pair up on every rank.
+    fresh = make_pair(lambda: Stack(hiddens=hiddens), adamw_two_groups, _cfg(order))
+    for step in range(3):
+        _step(fresh, step, world, rank)
+    after = assert_close(fresh.model, fresh.ref, what="fresh model after the error")
+    return {
+        "message": message,
+        "took": took,
+        "replayed": replaying,
+        "worst": worst,
+        "after": after,
+    }
+
+
+_PREFIX = "zerodp stage 3: ranks diverged at a parameter collective: "
+_HINT = (
+    "(Found against the order of the previous step, which every rank had run alike: a model "
+    "whose ranks run different units only now and then needs "
+    "ZeroConfig.stage3.check_unit_order='exchange', which merges them at any step.)"
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "hiddens", "story"),
+    [
+        ("swap", EVEN, "rank 0 all-gathers 'blocks.2'; rank 1 all-gathers 'blocks.1'."),
+        ("swap", UNEVEN, "rank 0 all-gathers 'blocks.2'; rank 1 all-gathers 'blocks.1'."),
+        ("skip", UNEVEN, "rank 0 issues nothing more; rank 1 all-gathers 'blocks.0'."),
+        ("detach", EVEN, "rank 0 all-gathers 'blocks.0'; rank 1 issues nothing more."),
+        (
+            "eval",
+            EVEN,
+            "rank 0 starts a training forward; rank 1 starts a forward without gradients "
+            "(eval / no_grad).",
+        ),
+    ],
+)
+def test_ranks_that_part_from_the_replayed_order_raise_everywhere(world, kind, hiddens, story):
+    out = world(2).run(case_late_divergence, kind, hiddens, True, timeout=TIMEOUT)
+    for o in out:
+        assert o["message"].startswith(_PREFIX + story), o
+        assert (_HINT in o["message"]) == (kind != "eval"), o
+        assert o["replayed"] and o["took"] < FAST and o["after"] <= 1e-6, o
+    assert len({o["message"] for o in out}) == 1, out
+
+
+def test_three_ranks_one_parts(world):
+    out = world(3).run(case_late_divergence, "skip", UNEVEN, True, timeout=TIMEOUT)
+    for o in out:
+        assert o["message"].startswith(_PREFIX), o
+        assert o["replayed"] and o["took"] < FAST and o["after"] <= 1e-6, o
+    assert len({o["message"] for o in out}) == 1, out
+
+
+def test_exchange_merges_a_late_skip(world):
+    """``check_unit_order="exchange"``: the layer skipped on one rank at step 4 is merged, as
+    at any step (the replay hint's promise)."""
+    for o in world(2).run(case_late_divergence, "skip", UNEVEN, "exchange", timeout=TIMEOUT):
+        assert o["message"] == "finished" and not o["replayed"], o  # never replays
+        assert o["worst"] <= 1e-6 and o["after"] <= 1e-6, o
+
+
+def case_unanimous_changes(tmp: str) -> dict:
+    """Every rank alike: two micro-batches in step 4, a checkpoint after step 5, then single
+    steps again: parity, no error, and the last step replays again."""
+    rank, world = rank_world()
+    pair = make_pair(Stack, adamw_two_groups, _cfg())
+    check = pair.opt.engine.params.check
+    for step in range(8):
+        committed = check.committed
+        data = batches(step, world, 3, [(8,), (8,)])
+        micro = 2 if step == 3 else 1
+        for k in range(micro):
+
+            def loss(m: torch.nn.Module, r: int, k: int = k) -> torch.Tensor:
+                x, y = data[r]
+                return F.mse_loss(m(x * (k + 1)), y) / micro
+
+            reference_step(pair, loss, world, step=False)
+            loss(pair.model, rank).backward()
+        pair.ref_opt.step()
+        pair.ref_opt.zero_grad()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        if step == 4:
+            zerodp.save_checkpoint(f"{tmp}/ckpt", pair.model, pair.opt)
+    return {
+        "worst": assert_close(pair.model, pair.ref, what="after the changes"),
+        "merges": check.merges,
+        "last_step_committed": check.committed - committed,
+    }
+
+
+def test_ranks_that_change_their_order_together_go_on(world, tmp_path):
+    for o in world(2).run(case_unanimous_changes, str(tmp_path), timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6 and o["merges"] == 0, o
+        assert o["last_step_committed"] == 9, o  # as test_stage3's Stack: all but the step
