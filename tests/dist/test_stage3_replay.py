@@ -162,7 +162,9 @@ def case_unanimous_changes(tmp: str) -> dict:
         micro = 2 if step == 3 else 1
         for k in range(micro):
 
-            def loss(m: torch.nn.Module, r: int, k: int = k) -> torch.Tensor:
+            def loss(
+                m: torch.nn.Module, r: int, k: int = k, data: list = data, micro: int = micro
+            ) -> torch.Tensor:
                 x, y = data[r]
                 return F.mse_loss(m(x * (k + 1)), y) / micro
 

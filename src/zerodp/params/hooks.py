@@ -399,10 +399,13 @@ class Schedule:
             self.trace("reduce_extra", unit)
 
     def stand_in(self, op: Op, index: int) -> None:
-        if index >= len(self.units):  # a persistent segment ([Note: verified orders])
-            self.grads.reduce(self.persistent_seg_ids[index - len(self.units)], checked=False)
+        if op is Op.GATHER:
+            self.gatherer.gather_extra(self.units[index])
+        elif index >= len(self.units):  # a persistent segment
+            self.grads.reduce_zeros(self.persistent_seg_ids[index - len(self.units)])
         else:
-            self.issue(op, index)
+            for i in self.units[index].seg_ids:
+                self.grads.reduce_zeros(i)
 
     # -- holding and releasing -----------------------------------------------------------------
 

@@ -85,8 +85,8 @@ class Extras(Protocol):
         ...
 
     def stand_in(self, op: Op, index: int) -> None:
-        """Take part in it whatever this rank's state, changing none (the ranks diverged and
-        are about to raise): all-gather into scratch, reduce-scatter what it holds."""
+        """Take part in it whatever this rank's state, changing none of it (the ranks diverged
+        and are about to raise): all-gather into scratch, reduce-scatter zeros."""
         ...
 
 
@@ -310,9 +310,10 @@ class OrderCheck:
         flagged = [r for r, row in enumerate(head) if row[0]]
         error, self.error = self.error, ""
         markers = [Op(row[1]) for row in head]
-        if flagged:
+        if flagged:  # this rank's own text only where its row carried it
+            said = error if self.comm.rank in flagged else ""
             message = (
-                f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
+                f"zerodp stage 3: rank(s) {flagged} reported: {said or 'an error (see that rank)'}"
             )
         elif len(set(markers)) > 1 and (
             Op.NOTHING not in markers or all(p == plans[0] for p in plans)
@@ -326,23 +327,27 @@ class OrderCheck:
             message = divergence_message(
                 first_difference(plans), self._positions, self.labels, replayed=True
             )
+        if error and self.comm.rank not in flagged:
+            message += f" (This rank also found: {error})"
         replay = self.replay
         end = replay.padding_end(position)
         first = position if stand_in else replay.position
-        for p in range(first, end + 1):
-            entry = replay.predicted(p)
-            assert entry is not None
-            if p > position or not stand_in:
-                handle, rows = self.comm.all_gather_control_async(
-                    self._row(list(entry[1]), False, True)
-                )
-                self._rows.add(p, handle, rows)
-            for op, i in entry[1]:
-                self.extras.stand_in(op, i)
-        self._rows.drain()
-        replay.off()
-        self._sequence.clear()
-        self._marker = Op.NOTHING
+        try:
+            for p in range(first, end + 1):
+                entry = replay.predicted(p)
+                assert entry is not None
+                if p > position or not stand_in:
+                    handle, rows = self.comm.all_gather_control_async(
+                        self._row(list(entry[1]), False, True)
+                    )
+                    self._rows.add(p, handle, rows)
+                for op, i in entry[1]:
+                    self.extras.stand_in(op, i)
+            self._rows.drain()
+        finally:
+            replay.off()
+            self._sequence.clear()
+            self._marker = Op.NOTHING
         raise RuntimeError(message)
 
     def _check_head(self, rows: list[list[int]]) -> None:

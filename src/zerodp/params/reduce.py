@@ -127,6 +127,18 @@ class ShardedGrads:
         if checked:
             self.check.issue_extras()
 
+    def reduce_zeros(self, seg_id: int) -> None:
+        """Take part in ``reduce(seg_id)``'s reduce-scatters with zeros and wait for them,
+        changing no gradient here: standing in after ranks diverged ([Note: verified orders]
+        in params/replay.py)."""
+        for _, _, numel in self._chunks[seg_id] if self.segments[seg_id].layout.buckets else []:
+            staging = self._inflight.acquire(numel * self.world, self.world).zero_()
+            own = staging.narrow(0, self.comm.rank * numel, numel)
+            self._inflight.push(
+                self.comm.reduce_scatter(own, staging, async_op=True), _no_post, staging
+            )
+        self._inflight.wait_all()
+
     def end_round(self) -> None:
         self.rounds += 1
 
@@ -270,3 +282,7 @@ def chunk_plan(
         step = size if chunk_numel is None else max(align, chunk_numel // (n * align) * align)
         out += [(b, off, min(step, size - off)) for off in range(0, size, step)]
     return out
+
+
+def _no_post() -> None:
+    pass

@@ -16,11 +16,19 @@ before a difference is seen:
   left the prediction at that point: another accumulation count, a checkpoint), the exchange
   decides as it always did, and the rest of the step is recorded afresh.
 - Where some rank committed, those ranks already issue the predicted collectives: the rank
-  *stands in* for them (all-gathers into scratch, reduce-scatters of what it holds) and the
-  ranks have diverged. Every rank that sees it, the first at once and the others when they
+  *stands in* for them (all-gathers into scratch, reduce-scatters of zeros: no state of its
+  own changes) and the ranks have diverged. Every rank that sees it, the first at once and the others when they
   check that row, issues the predicted exchanges and collectives up to ``padding_end`` (no
   committed rank can have gone further without checking the row), waits for all of them and
-  raises the divergence error: the same on every rank, with nothing left in flight.
+  raises the divergence error: the same on every rank, with nothing left in flight. The
+  gradients of that step are incomplete on every rank (zero_grad before going on).
+
+Limits: the bound counts the checked collectives only, so another collective on the same
+process group inside the window (a loss all-reduced between forward and backward, SyncBatchNorm,
+``generate(synced_gpus=True)``) can still pair with a stand-in; the blocking exchange had the
+same exposure one collective earlier. A rank whose program ends (no further exchange) within
+``WINDOW`` exchanges of a divergence leaves the rank that parted waiting in its padding until
+the watchdog names it.
 
 Barriers (the step, the buffer broadcast, checkpoints, plans longer than one row) always
 exchange blocking, after every older row is checked; padding stops before them. A merge turns
