@@ -17,11 +17,12 @@ before a difference is seen:
   decides as it always did, and the rest of the step is recorded afresh.
 - Where some rank committed, those ranks already issue the predicted collectives: the rank
   *stands in* for them (all-gathers into scratch, reduce-scatters of zeros: no state of its
-  own changes) and the ranks have diverged. Every rank that sees it, the first at once and the others when they
-  check that row, issues the predicted exchanges and collectives up to ``padding_end`` (no
-  committed rank can have gone further without checking the row), waits for all of them and
-  raises the divergence error: the same on every rank, with nothing left in flight. The
-  gradients of that step are incomplete on every rank (zero_grad before going on).
+  own changes) and the ranks have diverged. Every rank that sees it, the first at once and the
+  others when they check that row, issues the predicted exchanges and collectives up to
+  ``padding_end`` (no committed rank can have gone further without checking the row), waits
+  for all of them and raises the divergence error: the same on every rank, with nothing left
+  in flight. The gradients of that step are incomplete on every rank (zero_grad before going
+  on).
 
 Limits: the bound counts the checked collectives only, so another collective on the same
 process group inside the window (a loss all-reduced between forward and backward, SyncBatchNorm,
