@@ -3,6 +3,7 @@
 model, opt = zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=2))
 """
 
+from zerodp.activations import checkpoint_wrapper
 from zerodp.api import initialize
 from zerodp.checkpoint import (
     CheckpointError,
@@ -12,7 +13,7 @@ from zerodp.checkpoint import (
     save_checkpoint,
 )
 from zerodp.comm import CollectiveError, CommStats
-from zerodp.config import LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
+from zerodp.config import Activations, LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
 from zerodp.memory.report import MemoryReport
 from zerodp.module import ZeroModule
 from zerodp.offload.swapfile import OffloadDiskFull
@@ -22,6 +23,7 @@ from zerodp.params import full_parameters, sharded_init
 from zerodp.version import __version__ as __version__
 
 __all__ = [
+    "Activations",
     "CheckpointError",
     "CollectiveError",
     "CommStats",
@@ -35,6 +37,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroModule",
     "ZeroOptimizer",
+    "checkpoint_wrapper",
     "consolidate_checkpoint",
     "full_parameters",
     "initialize",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zerodp.activations import checkpoint_modules, checkpoint_wrapper
 from zerodp.comm import GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
@@ -74,11 +75,16 @@ def initialize(
         raise ValueError("unit_policy, init_fn and device apply to ZeroConfig(stage=3) only")
     stage3 = Stage3Options(unit_policy, init_fn, torch.device(device) if device else None)
     zcls = zero_class(type(model))  # before any change: it may fail
+    checkpointed = [
+        model.get_submodule(n) for n in checkpoint_modules(model, config.activations.checkpoint)
+    ]
     snapshot = InitSnapshot.take(model, optimizer)
     try:  # [Note: initialize is all or nothing] in snapshot.py
         engine = ZeroEngine(model, optimizer, config, process_group, stage3)
         zopt = ZeroOptimizer(engine)
         attach(model, engine, zcls)
+        for module in checkpointed:  # last: nothing after it can fail
+            checkpoint_wrapper(module)
     except BaseException:
         snapshot.restore()
         raise

@@ -146,6 +146,32 @@ def test_offload_optimizer_cpu_trains_exactly_as_without_it(
 
 
 @pytest.mark.timeout(200)
+def test_activation_checkpointing_trains_exactly_with_fewer_activations(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """``--activation-checkpointing full`` at stage 2: the config checkpoints every block, the
+    losses are exactly the first run's (same seed, data and stage), the activations autograd
+    kept in the last forward are fewer, and the report's title says it."""
+    root, first = first_run
+    _ok(first)
+    out = root / "checkpointed"
+    args = ["--stage", "2", "--activation-checkpointing", "full"]
+    proc = _ok(_zerodp_train([*TINY, "--steps", "3", *args, "--out", str(out)], root))
+    report = _report(out)
+    assert report["options"]["activation_checkpointing"] == "full"
+    (run,) = report["runs"]
+    (plain,) = _report(root / "run")["runs"]
+    assert run["config"]["activations"] == {"checkpoint": ["Block"]}
+    assert plain["config"]["activations"] == {"checkpoint": []}
+    assert run["curves"]["loss"] == plain["curves"]["loss"]
+    for mine, theirs in zip(run["memory"], plain["memory"], strict=True):  # per rank
+        kept, before = mine["peak"]["activations"], theirs["peak"]["activations"]
+        assert 0 < kept < before / 2, (kept, before)
+        assert mine["peak_theory"]["activations"] < theirs["peak_theory"]["activations"]
+    assert "activation checkpointing full" in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.timeout(200)
 def test_failing_rank_stops_the_run_and_shows_its_error(tmp_path: Path) -> None:
     proc = _zerodp_train(
         [*TINY, "--steps", "3", "--out", str(tmp_path / "run")], tmp_path, {FAIL_AT_ENV: "1:1"}

@@ -16,7 +16,7 @@ import pytest
 from config_0_1 import saved_by_0_1
 
 import zerodp
-from zerodp import LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
+from zerodp import Activations, LossScaling, OffloadConfig, Precision, Stage3, ZeroConfig
 from zerodp.config.legacy import FLAT_NAMES, nest_saved_config
 from zerodp.config.nesting import Policy, policy_fields
 
@@ -163,6 +163,7 @@ def test_paths_are_where_zero_config_holds_each_policy() -> None:
         LossScaling: "ZeroConfig.precision.loss_scaling",
         Stage3: "ZeroConfig.stage3",
         OffloadConfig: "ZeroConfig.offload",
+        Activations: "ZeroConfig.activations",
     }
     assert all(path == cls.PATH for cls, path in found.items())
 
@@ -239,6 +240,7 @@ NON_DEFAULT = ZeroConfig(
         ring_buckets=2,
         host_gradients="full",
     ),
+    activations=Activations(checkpoint=("Block",)),
 )
 # Partial offload keeps gradients on the device: its field is set in a second configuration.
 PARTIAL = dataclasses.replace(
@@ -291,7 +293,7 @@ def test_partial_nested_dicts_keep_the_other_defaults() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"stag": 2}, "ZeroConfig got unknown field(s) ['stag']; allowed fields: ['broadcast_b"),
+        ({"stag": 2}, "ZeroConfig got unknown field(s) ['stag']; allowed fields: ['activations"),
         (
             {"precision": {"compute": "bf16", "reduce_dtype": "fp32"}},
             "ZeroConfig.precision got unknown field(s) ['reduce_dtype']; allowed fields: "
@@ -530,7 +532,7 @@ def test_a_config_saved_by_0_1_reads_as_nested_without_warnings() -> None:
     with no_warnings():
         nested = nest_saved_config(ZeroConfig, SAVED_BY_0_1)
         assert ZeroConfig.from_dict(nested) == expected
-    later = {"offload"}  # policies added after 0.1: their defaults
+    later = {"offload", "activations"}  # policies added after 0.1: their defaults
     want = {k: v for k, v in expected.to_dict().items() if k not in later}
     want["stage3"].pop("keep_last_units")  # a field added after 0.1: its default
     assert json.loads(json.dumps(nested)) == json.loads(json.dumps(want))

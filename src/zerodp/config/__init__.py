@@ -1,11 +1,12 @@
 """User-facing configuration: ``ZeroConfig`` and its nested policies, frozen and validated.
 
 ``zero.py``: ``ZeroConfig``; ``policies.py``: ``Precision``, ``LossScaling``, ``Stage3``;
-``offload.py``: ``OffloadConfig``;
+``offload.py``: ``OffloadConfig``; ``activations.py``: ``Activations``;
 ``nesting.py``: what makes a policy ([Note: nested policies]); ``checks.py``: value checks;
 ``legacy.py``: the flat names of 0.1, deprecated ([Note: flat names]).
 """
 
+from zerodp.config.activations import Activations
 from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS, OffloadConfig
 from zerodp.config.policies import (
     NONFINITE,
@@ -26,6 +27,7 @@ __all__ = [
     "STAGES",
     "STEP_WITHOUT_BACKWARD",
     "TIERS",
+    "Activations",
     "LossScaling",
     "OffloadConfig",
     "Precision",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from zerodp.config.activations import Activations
 from zerodp.config.checks import (
     check_bool,
     check_choice,
@@ -99,6 +100,9 @@ class ZeroConfig(Policy):
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Optimizer state (stages 1-3) and parameters (stage 3) in host memory or on NVMe."""
 
+    activations: Activations = field(default_factory=Activations)
+    """Activation checkpointing of chosen module classes (every stage)."""
+
     if TYPE_CHECKING:
         # What type checkers see: the generated __init__ but with the precision shorthand.
         # At run time the dataclass's own __init__ (wrapped by accepts_flat_names) is used;
@@ -115,6 +119,7 @@ class ZeroConfig(Policy):
             precision: Precision | str = ...,
             stage3: Stage3 = ...,
             offload: OffloadConfig = ...,
+            activations: Activations = ...,
         ) -> None: ...
 
     else:

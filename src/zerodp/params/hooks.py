@@ -5,6 +5,17 @@ in order.py) added their extras and deferred reduce-scatters here; the engine re
 engine over pluggable parameter/gradient sync) is where the schedule splits into forward,
 backward and extras.
 
+[Note: recompute]
+A checkpointed module's backward first runs its forward again ([Note: activation checkpointing]
+in activations/checkpointing.py), inside ``recompute_scope()``. Units called there (units inside
+the checkpointed module; the checkpointed module's own hooks do not run again) are gathered if
+they are not (usually they are not: released after their forward) and then *held*
+(``recomputed``) until their post-backward, which comes right after: their pre-backward hook
+finds them gathered, so a unit is gathered twice per step, checkpointed or not. The recompute
+records no forward order, prefetches nothing and attaches no post-backward callback (the
+recomputed graph is never run backward: its tensors only refill the saved ones). The gathered
+memory then includes every unit inside the checkpointed module being recomputed.
+
 [Note: stage-3 schedule]
 Forward, per call of a unit's module:
   pre:   attach the post-backward trigger to the inputs that require grad; gather the unit (or
@@ -81,6 +92,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerodp.activations.scope import recomputing
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
@@ -163,6 +175,12 @@ class Schedule:
     def _pre_forward(
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if recomputing():  # [Note: recompute]
+            self._use(unit)
+            unit.active += 1
+            unit.recomputed = True
+            self.trace("recompute", unit)
+            return args, kwargs
         if unit is self.root and unit.active == 0:
             self.fwd.begin()
             self._carry = self.fwd.tail(self.keep, skip=unit.index)
@@ -195,6 +213,8 @@ class Schedule:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         unit.active -= 1
+        if recomputing():  # held until its backward, which comes next ([Note: recompute])
+            return
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled():
             for t in outs:
@@ -259,6 +279,7 @@ class Schedule:
             self._deferred.append(unit)
         unit.in_backward = False
         unit.carried = False
+        unit.recomputed = False
         self.trace("backward_end", unit)
         self.maybe_release(unit)
 
@@ -294,6 +315,7 @@ class Schedule:
             unit.borrowed = False
             unit.in_backward = False
             unit.carried = False
+            unit.recomputed = False
             self.maybe_release(unit)
 
     def _open_backward(self) -> None:
@@ -471,6 +493,7 @@ class Schedule:
             unit.pending_post_backward = 0
             unit.kept = False
             unit.carried = False
+            unit.recomputed = False
             unit.borrowed = False
             unit.hooked = False
             unit.ready_grads = 0

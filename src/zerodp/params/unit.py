@@ -44,6 +44,7 @@ class Unit:
     prefetched: bool = False  # gathered ahead of its use, not used yet
     kept: bool = False  # the root, from its forward to the end of backward
     carried: bool = False  # a last unit of the forward, held into its backward
+    recomputed: bool = False  # run in a recompute: held until its backward ([Note: recompute])
     borrowed: bool = False  # an attached unit read on demand: held as long as the root is kept
     hooked: bool = False  # its forward ran in this pass with outputs that backward will reach
     ready_grads: int = 0  # parameters whose gradient was accumulated in this backward
@@ -81,6 +82,7 @@ class Unit:
             or self.prefetched
             or self.kept
             or self.carried
+            or self.recomputed
             or self.borrowed
             or self.pinned
             or self.scoped

@@ -27,6 +27,7 @@ from zerodp.apps.cli import argtypes
 from zerodp.apps.models.gpt import PRESETS
 from zerodp.apps.progress import QUIET_HELP
 from zerodp.apps.train.options import (
+    CHECKPOINTED,
     DEFAULT_CPU_WORLD_SIZE,
     TrainOptions,
     under_torchrun,
@@ -107,6 +108,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="with --offload-optimizer: full = a host copy of the whole fp32 gradient (the CPU "
         "step overlaps the next forward); ring = a few chunks (4 B/param less host memory); "
         "auto = full for cpu, ring for nvme (default %(default)s)",
+    )
+    zero.add_argument(
+        "--activation-checkpointing",
+        choices=tuple(CHECKPOINTED),
+        default=d.activation_checkpointing,
+        help="full = every transformer block keeps only its input and recomputes its forward "
+        "in backward (less activation memory, about one more forward of compute; any stage) "
+        "(default %(default)s)",
     )
     zero.add_argument(
         "--offload-dir",
@@ -218,6 +227,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         offload_dir=args.offload_dir,
         offload_fraction=args.offload_fraction,
         offload_host_gradients=args.offload_host_gradients,
+        activation_checkpointing=args.activation_checkpointing,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from zerodp.apps.train.summary import run_title
 from zerodp.apps.train.theory import MB, PEAK_CATEGORIES, PEAK_LABELS
 
 COLORS = {
@@ -48,11 +49,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     _plot_throughput(fig.add_subplot(grid[1, 0]), done, report["environment"])
     _memory_table(fig.add_subplot(grid[1, 1]), done)
     _plot_sample(fig.add_subplot(grid[1, 2]), done)
-    o, env = report["options"], report["environment"]
-    fig.suptitle(
-        f"zerodp train: preset {o['preset']}, {o['precision']}, {env['world_size']} ranks "
-        f"({env['backend']}, {env['device']})"
-    )
+    fig.suptitle(run_title(report))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

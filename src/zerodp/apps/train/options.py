@@ -13,14 +13,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from zerodp.apps.models.gpt import Block
 from zerodp.apps.train.schedule import Schedule
-from zerodp.config import OffloadConfig, ZeroConfig
+from zerodp.config import Activations, OffloadConfig, ZeroConfig
 
 DEFAULT_CPU_WORLD_SIZE = 2
 
 MIB = 2**20
 DEFAULT_BUCKET_BYTES = ZeroConfig().bucket_bytes
 MIN_AUTO_BUCKET_BYTES = 64 * 2**10  # below this, per-collective latency dominates
+
+CHECKPOINTED = {"none": (), "full": (Block.__name__,)}
+"""``--activation-checkpointing``: the GPT's module classes ``ZeroConfig.activations`` checkpoints
+(every transformer block: each keeps only its input, [Note: activation checkpointing])."""
 
 FAIL_AT_ENV = "ZERODP_TRAIN_FAIL_AT"
 """Test-only: ``"RANK:STEP"`` makes that rank raise at that step, to exercise failure reporting."""
@@ -50,6 +55,7 @@ class TrainOptions:
     offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
     offload_fraction: float | str = 1.0  # ZeroConfig.offload.optimizer_fraction
     offload_host_gradients: str = "auto"  # ZeroConfig.offload.host_gradients
+    activation_checkpointing: str = "none"  # "full": ZeroConfig.activations.checkpoint the blocks
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -89,6 +95,7 @@ class TrainOptions:
             precision=self.precision,
             bucket_bytes=self.bucket_bytes_for(param_bytes),
             offload=self.offload_config(),
+            activations=Activations(checkpoint=CHECKPOINTED[self.activation_checkpointing]),
         )
 
     @property

@@ -47,12 +47,22 @@ def format_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_title(report: dict[str, Any]) -> str:
+    """What ran, in one line: the report's figure title and the summary's first words."""
+    o, env = report["options"], report["environment"]
+    checkpointing = o.get("activation_checkpointing", "none")  # absent in older reports
+    extra = f", activation checkpointing {checkpointing}" if checkpointing != "none" else ""
+    return (
+        f"zerodp train: preset {o['preset']}, {o['precision']}{extra}, {env['world_size']} "
+        f"ranks ({env['backend']}, {env['device']})"
+    )
+
+
 def _header_line(report: dict[str, Any]) -> str:
     o, env = report["options"], report["environment"]
     accum = f" x {o['grad_accum']} micro-batches" if o["grad_accum"] > 1 else ""
     return (
-        f"zerodp train: preset {o['preset']}, {o['precision']}, {env['world_size']} ranks "
-        f"({env['backend']}, {env['device']}), {o['steps']} steps of "
+        f"{run_title(report)}, {o['steps']} steps of "
         f"{o['batch']}x{env['seq_len']} tokens per rank{accum}, seed {o['seed']}"
     )
 

@@ -133,11 +133,20 @@ def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, An
 
 
 def activations_theory(
-    layers: int, hidden: int, vocab: int, seq_len: int, batch: int, dtype_bytes: int
+    layers: int,
+    hidden: int,
+    vocab: int,
+    seq_len: int,
+    batch: int,
+    dtype_bytes: int,
+    *,
+    checkpointing: bool = False,
 ) -> float:
     """Activations one forward of the shipped GPT keeps per rank, as the estimator counts them:
-    the paper's 12·h·b·s·L values plus the b·s·V logits in the compute dtype and the loss's
-    fp32 copy of them (as ``zerodp estimate --offload`` counts them)."""
+    the paper's 12·h·b·s·L values (with every block checkpointed: one h·b·s input per block
+    plus one block's 12·h·b·s recomputed in backward) plus the b·s·V logits in the compute
+    dtype and the loss's fp32 copy of them (as ``zerodp estimate --offload`` counts them)."""
     shape = GPTShape(layers=layers, hidden=hidden, vocab=vocab, seq_len=seq_len, micro_batch=batch)
     logits = batch * seq_len * vocab * (dtype_bytes + 4)
-    return activation_bytes(shape, dtype_bytes=dtype_bytes) + logits
+    kept = activation_bytes(shape, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
+    return kept + logits

@@ -1,0 +1,28 @@
+"""Whether a checkpointed module's forward is being recomputed now (in its backward).
+
+A context variable, not a field of some object: the stage-3 hooks that must behave differently
+in a recompute ([Note: recompute] in params/hooks.py) and the checkpoint wrapper that knows when
+one runs share nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+_RECOMPUTING: ContextVar[int] = ContextVar("zerodp_recomputing", default=0)
+
+
+def recomputing() -> bool:
+    """Whether the forward running now is a checkpointed module's recompute."""
+    return _RECOMPUTING.get() > 0
+
+
+@contextlib.contextmanager
+def recompute_scope() -> Iterator[None]:
+    token = _RECOMPUTING.set(_RECOMPUTING.get() + 1)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)

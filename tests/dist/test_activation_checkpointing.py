@@ -1,0 +1,292 @@
+"""Activation checkpointing as a zerodp feature ([Note: activation checkpointing] in
+activations/checkpointing.py, [Note: recompute] in params/hooks.py): parity at every stage with
+the unsharded model trained without checkpointing, on the shipped GPT and a Hugging Face Llama;
+at stage 3 exactly the all-gathers of the run without checkpointing (2 per unit per step, also
+for units inside a checkpointed module), no unit's forward hooks run twice; the activations
+autograd keeps shrink; misuse is refused before anything changes."""
+
+from __future__ import annotations
+
+from functools import partial
+from unittest import mock
+
+import pytest
+import torch
+from hf_models import build, global_batches, hf_loss
+from torch import nn
+from zerotest import (
+    adamw_two_groups,
+    assert_close,
+    make_pair,
+    rank_world,
+    reference_step,
+    sgd_momentum,
+)
+
+import zerodp
+from zerodp import api
+from zerodp.activations import is_checkpointed
+from zerodp.apps.models.gpt import GPT, GPTConfig
+from zerodp.memory.saved import SavedForBackward
+
+TIMEOUT = 240.0
+GPT_SHAPE = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def _gpt() -> nn.Module:
+    return GPT(GPT_SHAPE)
+
+
+def _gpt_batches(step: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 64, (world, 2, 16), generator=g)
+    targets = torch.randint(0, 64, (world, 2, 16), generator=g)
+    return [(ids[r], targets[r]) for r in range(world)]
+
+
+def _gpt_loss(step: int, world: int):
+    data = _gpt_batches(step, world)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return m(*data[r])[1]
+
+    return loss
+
+
+def _config(stage: int, checkpoint: tuple[str, ...], **stage3) -> zerodp.ZeroConfig:
+    return zerodp.ZeroConfig(
+        stage=stage,
+        activations=zerodp.Activations(checkpoint=checkpoint),
+        stage3=zerodp.Stage3(**stage3),
+    )
+
+
+def _train(pair, losses, steps: int, world: int, rank: int) -> float:
+    worst = 0.0
+    for step in range(steps):
+        loss = losses(step, world)
+        reference_step(pair, loss, world)
+        loss(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
+    return worst
+
+
+def case_gpt(stage: int) -> dict:
+    """Checkpointed blocks against the unsharded reference without checkpointing; at stage 3
+    the ledger's all-gathers and the unit events of one step, with and without."""
+    rank, world = rank_world()
+    out: dict = {}
+    for checkpoint in ((), ("Block",)):
+        # SGD: AdamW's first steps turn last-bit differences of zero-initialised biases into
+        # relative errors above 1e-6 even without checkpointing.
+        pair = make_pair(_gpt, sgd_momentum, _config(stage, checkpoint, unit_min_numel=1))
+        worst = _train(pair, _gpt_loss, 2, world, rank)
+        events = _one_step_events(pair, world, rank)
+        stats = pair.opt.comm_stats()  # of that last step
+        assert stats is not None
+        out[checkpoint] = {
+            "worst": worst,
+            "step": {"elements": dict(stats.elements), "calls": dict(stats.calls)},
+            "events": events,
+            "wrapped": [n for n, m in pair.model.named_modules() if is_checkpointed(m)],
+            "keys": sorted(pair.model.state_dict()),
+        }
+    return out
+
+
+def _one_step_events(pair, world: int, rank: int) -> list[tuple[str, str]]:
+    """One more step; the stage-3 unit events it traced."""
+    sharded = pair.opt.engine.params
+    if sharded is None:
+        loss = _gpt_loss(7, world)
+        reference_step(pair, loss, world)
+        loss(pair.model, rank).backward()
+        pair.opt.step()
+        pair.opt.zero_grad()
+        return []
+    sharded.trace.events = []
+    loss = _gpt_loss(7, world)
+    reference_step(pair, loss, world)
+    loss(pair.model, rank).backward()
+    pair.opt.step()
+    pair.opt.zero_grad()
+    events, sharded.trace.events = sharded.trace.events, None
+    return events
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gpt_checkpointed_blocks(world, stage):
+    for o in world(2).run(case_gpt, stage, timeout=TIMEOUT):
+        plain, ckpt = o[()], o[("Block",)]
+        assert plain["worst"] <= 1e-6 and ckpt["worst"] <= 1e-6, o
+        assert ckpt["wrapped"] == ["blocks.0", "blocks.1", "blocks.2"] and plain["wrapped"] == []
+        assert ckpt["keys"] == plain["keys"]  # the state_dict keys do not change
+        assert ckpt["step"] == plain["step"], o  # the same collectives, the same sizes
+        if stage == 3:
+            # The root once (held to the end of backward), each block twice but the last one
+            # (kept into the backward).
+            assert plain["step"]["calls"]["all_gather"] == 1 + 2 * 3 - 1, plain
+            # The checkpointed block's own hooks run once per forward: the same events.
+            assert ckpt["events"] == plain["events"], (ckpt["events"], plain["events"])
+
+
+class Layer(nn.Module):
+    """Two units (``fc``, ``proj``: ``unit_classes=("Linear",)``) inside one checkpointed
+    module that is no unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 48)
+        self.proj = nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(self.fc(x)))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _nested_loss(step: int, world: int):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(world, 3, 16, generator=g), torch.randn(world, 3, 16, generator=g)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(x[r]), y[r])
+
+    return loss
+
+
+def case_nested(depth: int) -> dict:
+    """Units inside a checkpointed module run again in the recompute: gathered there and held
+    into their backward, so the all-gathers are those of the run without checkpointing."""
+    rank, world = rank_world()
+    out: dict = {}
+    for checkpoint in ((), ("Layer",)):
+        cfg = _config(3, checkpoint, unit_classes=("Linear",), prefetch_depth=depth)
+        pair = make_pair(Nested, adamw_two_groups, cfg)
+        worst = _train(pair, _nested_loss, 3, world, rank)
+        stats = pair.opt.comm_stats()
+        assert stats is not None
+        units = [u.label for u in pair.opt.engine.params.units]
+        report = pair.opt.memory_report()
+        out[checkpoint] = {
+            "worst": worst,
+            "gathers": stats.calls["all_gather"],
+            "gathered_elements": stats.elements["all_gather"],
+            "units": units,
+            "peak": report.gathered_peak,
+            "now": report.gathered_now,
+        }
+    return out
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_units_inside_a_checkpointed_module(world, depth):
+    for o in world(2).run(case_nested, depth, timeout=TIMEOUT):
+        plain, ckpt = o[()], o[("Layer",)]
+        assert "layers.0.fc" in plain["units"] and "layers.0.proj" in plain["units"], plain
+        assert ckpt["worst"] <= 1e-6 and plain["worst"] <= 1e-6, o
+        assert ckpt["gathers"] == plain["gathers"], o  # no third gather per unit
+        assert ckpt["gathered_elements"] == plain["gathered_elements"], o
+        assert ckpt["now"] == 0, o  # nothing held after the step
+
+
+def case_llama(stage: int) -> float:
+    rank, world = rank_world()
+    cfg = _config(stage, ("LlamaDecoderLayer",), unit_min_numel=1)
+    pair = make_pair(partial(build, "llama"), adamw_two_groups, cfg)
+
+    def losses(step: int, world: int):
+        return hf_loss(global_batches("llama", step, world))
+
+    return _train(pair, losses, 2, world, rank)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_llama_decoder_layers_checkpointed(world, stage):
+    assert max(world(2).run(case_llama, stage, timeout=TIMEOUT)) <= 1e-6
+
+
+def test_saved_activations_shrink():
+    """What autograd keeps from one forward of the GPT: with every block checkpointed, each
+    block keeps only its input (one [2, 16, 32] fp32 tensor, 4096 bytes)."""
+    saved = {}
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = _gpt()
+        if checkpoint:
+            for block in model.blocks:
+                zerodp.checkpoint_wrapper(block)
+        meter = SavedForBackward(model.parameters())
+        ids, targets = _gpt_batches(0, 1)[0]
+        with meter:
+            loss = model(ids, targets)[1]
+        loss.backward()
+        saved[checkpoint] = meter.nbytes
+    per_block_input = 2 * 16 * 32 * 4
+    outside_blocks = saved[True] - GPT_SHAPE.n_layer * per_block_input
+    assert outside_blocks > 0 and saved[False] > saved[True], saved
+    # Without checkpointing every block keeps far more than its input.
+    assert saved[False] - outside_blocks > 10 * GPT_SHAPE.n_layer * per_block_input, saved
+
+
+def test_checkpoint_wrapper_keeps_the_module():
+    torch.manual_seed(0)
+    model = _gpt()
+    keys = sorted(model.state_dict())
+    block = model.blocks[0]
+    assert zerodp.checkpoint_wrapper(block) is block and is_checkpointed(block)
+    assert sorted(model.state_dict()) == keys and type(block).__name__ == "Block"
+    with pytest.raises(ValueError, match="Block is checkpointed already"):
+        zerodp.checkpoint_wrapper(block)
+
+
+def test_unknown_class_is_refused():
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as err:
+        zerodp.initialize(model, opt, _config(2, ("Blok",)))
+    assert str(err.value).startswith(
+        "ZeroConfig.activations.checkpoint names ['Blok'], which no module of the model is; "
+        "its module classes are ['Block', 'CausalSelfAttention', 'Dropout', 'Embedding', 'GELU', "
+    ), err.value
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_checkpointed_twice_is_refused():
+    model = _gpt()
+    zerodp.checkpoint_wrapper(model.blocks[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as err:
+        zerodp.initialize(model, opt, _config(2, ("Block",)))
+    assert str(err.value) == (
+        "ZeroConfig.activations.checkpoint would checkpoint ['blocks.1'] again: they are "
+        "checkpointed already (zerodp.checkpoint_wrapper); do one or the other"
+    )
+    assert [is_checkpointed(b) for b in model.blocks] == [False, True, False]
+
+
+def case_failed_initialize() -> list[bool]:
+    """[Note: initialize is all or nothing]: the forwards are replaced last, after everything
+    that can fail; a failure before leaves none replaced."""
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    injected = mock.patch.object(api, "attach", side_effect=RuntimeError("injected"))
+    with injected, pytest.raises(RuntimeError, match="injected"):
+        zerodp.initialize(model, opt, _config(2, ("Block",)))
+    return [is_checkpointed(m) for m in model.modules()]
+
+
+def test_failed_initialize_checkpoints_nothing(world):
+    for flags in world(2).run(case_failed_initialize, timeout=TIMEOUT):
+        assert flags and not any(flags)
