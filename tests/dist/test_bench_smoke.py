@@ -111,3 +111,24 @@ def test_only_infinity_builds_on_the_meta_device() -> None:
     for name, device in (("zero3-infinity", "meta"), ("zero3", "cpu"), ("fsdp2", "cpu")):
         model = _construct(name, get_config("tiny"), cpu)
         assert {p.device.type for p in model.parameters()} == {device}, name
+
+
+def test_bench_activation_checkpointing_keeps_less_for_backward(tmp_path: Path) -> None:
+    """``--activation-checkpointing``: every system's blocks checkpointed alike; the same losses
+    as without, and autograd keeps less from each forward (the blocks keep their inputs)."""
+    saved, losses = {}, {}
+    for flag in ([], ["--activation-checkpointing"]):
+        out = tmp_path / f"bench{len(flag)}.json"
+        args = ["--preset", "tiny", "--world-size", "1", "--steps", "1", "--warmup", "1"]
+        args += ["--batch", "2", "--threads", "1", "--configs", "ddp,zero3", "--json", str(out)]
+        proc = _bench(tmp_path, [*args, *flag])
+        assert ("every block activation-checkpointed" in proc.stdout) == bool(flag)
+        report = json.loads(out.read_text())
+        assert report["meta"]["activation_checkpointing"] == bool(flag)
+        for name, c in report["configs"].items():
+            assert c["status"] == "ok" and c["parity_vs_ddp"]["passed"], (name, c)
+            saved[name, bool(flag)] = c["rss_bytes"]["saved_for_backward"]
+            losses[name, bool(flag)] = c["losses_rank0"]
+    for name in ("ddp", "zero3"):
+        assert losses[name, True] == losses[name, False], name
+        assert 0 < saved[name, True] < saved[name, False] / 2, (name, saved)

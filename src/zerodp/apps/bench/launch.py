@@ -151,7 +151,9 @@ def _meta(
         "seq_len": cfg.seq_len,
         # The paper's 12·h·b·s·L activation values per rank, to set beside "other at peak".
         "activation_bytes_estimate": activation_bytes(
-            shape, dtype_bytes=dtype_bytes(options.precision)
+            shape,
+            dtype_bytes=dtype_bytes(options.precision),
+            checkpointing=options.activation_checkpointing,
         ),
         "num_params": first.get("num_params"),
         "backend": first.get("backend"),

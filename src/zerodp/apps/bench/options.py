@@ -35,6 +35,9 @@ class BenchOptions:
     lr: float = 3e-4
     weight_decay: float = 0.1
     fused_adamw: bool = False  # AdamW(fused=True) for every system (zerodp picks it by itself)
+    # Every system's transformer blocks checkpointed (zerodp.checkpoint_wrapper: non-reentrant
+    # torch.utils.checkpoint of each block's forward), before the system wraps the model.
+    activation_checkpointing: bool = False
     profile_steps: int = 0  # after the timed steps, this many under torch.profiler (operators)
     # zero3-infinity's files: a directory on the disk to measure (the temporary one by default)
     offload_dir: str = field(default_factory=tempfile.gettempdir)

@@ -327,7 +327,13 @@ def import_for(name: str) -> None:
 
 
 def build(name: str, module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
-    """Wrap ``module`` (already on ``info.device``) for configuration ``name``."""
+    """Wrap ``module`` (already on ``info.device``) for configuration ``name``; with
+    ``activation_checkpointing`` its blocks are checkpointed first, alike for every system."""
+    if options.activation_checkpointing:
+        from zerodp.activations import checkpoint_wrapper
+
+        for block in _units(module):
+            checkpoint_wrapper(block)
     return BUILDERS[name](module, info, options)
 
 

@@ -156,6 +156,8 @@ def ledger_cell(stats: Mapping[str, Any] | None) -> str:
 def format_meta(meta: Mapping[str, Any]) -> str:
     keys = ("preset", "num_params", "world_size", "precision", "batch", "seq_len", "steps")
     parts = [f"{k}={meta[k]}" for k in (*keys, "warmup", "rounds", "backend") if k in meta]
+    if meta.get("activation_checkpointing"):
+        parts.append("every block activation-checkpointed")
     if "loadavg_start" in meta and "loadavg_end" in meta:
         parts.append(f"loadavg {meta['loadavg_start'][0]:.2f}->{meta['loadavg_end'][0]:.2f}")
     return ", ".join(parts)

@@ -76,6 +76,12 @@ def add_parser(subparsers: Any) -> None:
         "--threads", type=non_negative_int, default=0, help="per rank (0: cores / ranks)"
     )
     p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="checkpoint every transformer block in every system (non-reentrant "
+        "torch.utils.checkpoint via zerodp.checkpoint_wrapper)",
+    )
+    p.add_argument(
         "--fused-adamw",
         action="store_true",
         help="AdamW(fused=True) for every system (zerodp uses it anyway when left unset)",
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         fused_adamw=args.fused_adamw,
+        activation_checkpointing=args.activation_checkpointing,
         profile_steps=args.profile_steps,
         ring_buckets=args.ring_buckets,
         **({"offload_dir": os.path.abspath(args.offload_dir)} if args.offload_dir else {}),
