@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zerodp.activations import checkpoint_modules, checkpoint_wrapper
+from zerodp.activations import CheckpointOffload, checkpoint_modules, checkpoint_wrapper
 from zerodp.comm import GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
@@ -17,6 +17,7 @@ from zerodp.params.manager import Stage3Options
 from zerodp.params.nocompile import check_not_compiled
 from zerodp.params.policy import UnitPolicy
 from zerodp.snapshot import InitSnapshot
+from zerodp.streams import make_streams
 
 
 def initialize(
@@ -83,9 +84,21 @@ def initialize(
         engine = ZeroEngine(model, optimizer, config, process_group, stage3)
         zopt = ZeroOptimizer(engine)
         attach(model, engine, zcls)
+        offload = _checkpoint_offload(model, config)
         for module in checkpointed:  # last: nothing after it can fail
-            checkpoint_wrapper(module)
+            checkpoint_wrapper(module, offload)
     except BaseException:
         snapshot.restore()
         raise
     return model, zopt
+
+
+def _checkpoint_offload(model: nn.Module, config: ZeroConfig) -> CheckpointOffload | None:
+    """The host-memory checkpoints of ``ZeroConfig.activations.offload``, on the model's device
+    (one for every checkpointed module of the model, so that the backward brings each back one
+    module ahead)."""
+    activations = config.activations
+    if activations.offload == "none":
+        return None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return CheckpointOffload(make_streams(device), activations.on_device)

@@ -25,7 +25,7 @@ from zerotest import (
 
 import zerodp
 from zerodp import api
-from zerodp.activations import is_checkpointed
+from zerodp.activations import is_checkpointed, offload_of
 from zerodp.apps.models.gpt import GPT, GPTConfig
 from zerodp.memory.saved import SavedForBackward
 
@@ -53,12 +53,11 @@ def _gpt_loss(step: int, world: int):
     return loss
 
 
-def _config(stage: int, checkpoint: tuple[str, ...], **stage3) -> zerodp.ZeroConfig:
-    return zerodp.ZeroConfig(
-        stage=stage,
-        activations=zerodp.Activations(checkpoint=checkpoint),
-        stage3=zerodp.Stage3(**stage3),
-    )
+def _config(
+    stage: int, checkpoint: tuple[str, ...], offload: str = "none", **stage3
+) -> zerodp.ZeroConfig:
+    activations = zerodp.Activations(checkpoint=checkpoint, offload=offload, on_device=1)
+    return zerodp.ZeroConfig(stage=stage, activations=activations, stage3=zerodp.Stage3(**stage3))
 
 
 def _train(pair, losses, steps: int, world: int, rank: int) -> float:
@@ -78,22 +77,39 @@ def case_gpt(stage: int) -> dict:
     the ledger's all-gathers and the unit events of one step, with and without."""
     rank, world = rank_world()
     out: dict = {}
-    for checkpoint in ((), ("Block",)):
+    for checkpoint, offload in (((), "none"), (("Block",), "none"), (("Block",), "cpu")):
         # SGD: AdamW's first steps turn last-bit differences of zero-initialised biases into
         # relative errors above 1e-6 even without checkpointing.
-        pair = make_pair(_gpt, sgd_momentum, _config(stage, checkpoint, unit_min_numel=1))
+        cfg = _config(stage, checkpoint, offload, unit_min_numel=1)
+        pair = make_pair(_gpt, sgd_momentum, cfg)
         worst = _train(pair, _gpt_loss, 2, world, rank)
+        moved = _moved(pair.model)
         events = _one_step_events(pair, world, rank)
         stats = pair.opt.comm_stats()  # of that last step
         assert stats is not None
-        out[checkpoint] = {
+        out[checkpoint, offload] = {
             "worst": worst,
             "step": {"elements": dict(stats.elements), "calls": dict(stats.calls)},
             "events": events,
             "wrapped": [n for n, m in pair.model.named_modules() if is_checkpointed(m)],
             "keys": sorted(pair.model.state_dict()),
+            "moved": _moved(pair.model, since=moved),
         }
     return out
+
+
+def _moved(model: nn.Module, since: dict | None = None) -> dict:
+    """The checkpoint offload's bytes out and back (since ``since``) and what it holds on the
+    device after the last forward's store."""
+    offload = offload_of(model.blocks[0])
+    if offload is None:
+        return {}
+    base = since or {"stored": 0, "loaded": 0}
+    return {
+        "stored": offload.stored_bytes - base["stored"],
+        "loaded": offload.loaded_bytes - base["loaded"],
+        "peak_resident": offload.peak_resident,
+    }
 
 
 def _one_step_events(pair, world: int, rank: int) -> list[tuple[str, str]]:
@@ -119,17 +135,26 @@ def _one_step_events(pair, world: int, rank: int) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpt_checkpointed_blocks(world, stage):
     for o in world(2).run(case_gpt, stage, timeout=TIMEOUT):
-        plain, ckpt = o[()], o[("Block",)]
-        assert plain["worst"] <= 1e-6 and ckpt["worst"] <= 1e-6, o
-        assert ckpt["wrapped"] == ["blocks.0", "blocks.1", "blocks.2"] and plain["wrapped"] == []
-        assert ckpt["keys"] == plain["keys"]  # the state_dict keys do not change
-        assert ckpt["step"] == plain["step"], o  # the same collectives, the same sizes
-        if stage == 3:
-            # The root once (held to the end of backward), each block twice but the last one
-            # (kept into the backward).
-            assert plain["step"]["calls"]["all_gather"] == 1 + 2 * 3 - 1, plain
-            # The checkpointed block's own hooks run once per forward: the same events.
-            assert ckpt["events"] == plain["events"], (ckpt["events"], plain["events"])
+        plain, blocks = o[(), "none"], o[("Block",), "none"]
+        assert plain["wrapped"] == [] and plain["moved"] == {}
+        for ckpt in (blocks, o[("Block",), "cpu"]):
+            assert plain["worst"] <= 1e-6 and ckpt["worst"] <= 1e-6, o
+            assert ckpt["wrapped"] == ["blocks.0", "blocks.1", "blocks.2"]
+            assert ckpt["keys"] == plain["keys"]  # the state_dict keys do not change
+            assert ckpt["step"] == plain["step"], o  # the same collectives, the same sizes
+            if stage == 3:
+                # The root once (held to the end of backward), each block twice but the last
+                # one (kept into the backward).
+                assert plain["step"]["calls"]["all_gather"] == 1 + 2 * 3 - 1, plain
+                # The checkpointed block's own hooks run once per forward: the same events.
+                assert ckpt["events"] == plain["events"], (ckpt["events"], plain["events"])
+        # [Note: checkpoint offload]: each block's [2, 16, 32] fp32 input (4096 bytes) goes to
+        # the host; the newest one (on_device=1) stays, the other two come back.
+        assert o[("Block",), "cpu"]["moved"] == {
+            "stored": 3 * 4096,
+            "loaded": 2 * 4096,
+            "peak_resident": 1,
+        }, o
 
 
 class Layer(nn.Module):
@@ -201,9 +226,9 @@ def test_units_inside_a_checkpointed_module(world, depth):
         assert ckpt["now"] == 0, o  # nothing held after the step
 
 
-def case_llama(stage: int) -> float:
+def case_llama(stage: int, offload: str) -> float:
     rank, world = rank_world()
-    cfg = _config(stage, ("LlamaDecoderLayer",), unit_min_numel=1)
+    cfg = _config(stage, ("LlamaDecoderLayer",), offload, unit_min_numel=1)
     pair = make_pair(partial(build, "llama"), adamw_two_groups, cfg)
 
     def losses(step: int, world: int):
@@ -212,9 +237,9 @@ def case_llama(stage: int) -> float:
     return _train(pair, losses, 2, world, rank)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_hf_llama_decoder_layers_checkpointed(world, stage):
-    assert max(world(2).run(case_llama, stage, timeout=TIMEOUT)) <= 1e-6
+@pytest.mark.parametrize(("stage", "offload"), [(2, "none"), (3, "none"), (3, "cpu")])
+def test_hf_llama_decoder_layers_checkpointed(world, stage, offload):
+    assert max(world(2).run(case_llama, stage, offload, timeout=TIMEOUT)) <= 1e-6
 
 
 def test_saved_activations_shrink():
@@ -261,6 +286,18 @@ def test_unknown_class_is_refused():
         "its module classes are ['Block', 'CausalSelfAttention', 'Dropout', 'Embedding', 'GELU', "
     ), err.value
     assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_offload_needs_checkpointed_modules():
+    with pytest.raises(ValueError) as err:
+        zerodp.Activations(offload="cpu")
+    assert str(err.value) == (
+        "ZeroConfig.activations.offload='cpu' moves the inputs of checkpointed modules: name "
+        "their classes in ZeroConfig.activations.checkpoint"
+    )
+    with pytest.raises(ValueError) as err:
+        zerodp.Activations(checkpoint=("Block",), offload="cpu", on_device=0)
+    assert str(err.value) == "ZeroConfig.activations.on_device must be a positive integer; got 0"
 
 
 def test_checkpointed_twice_is_refused():

@@ -151,7 +151,8 @@ def test_activation_checkpointing_trains_exactly_with_fewer_activations(
 ) -> None:
     """``--activation-checkpointing full`` at stage 2: the config checkpoints every block, the
     losses are exactly the first run's (same seed, data and stage), the activations autograd
-    kept in the last forward are fewer, and the report's title says it."""
+    kept in the last forward are fewer, and the report's title says it. ``offload``: the same
+    losses again."""
     root, first = first_run
     _ok(first)
     out = root / "checkpointed"
@@ -161,14 +162,29 @@ def test_activation_checkpointing_trains_exactly_with_fewer_activations(
     assert report["options"]["activation_checkpointing"] == "full"
     (run,) = report["runs"]
     (plain,) = _report(root / "run")["runs"]
-    assert run["config"]["activations"] == {"checkpoint": ["Block"]}
-    assert plain["config"]["activations"] == {"checkpoint": []}
+    assert run["config"]["activations"] == {
+        "checkpoint": ["Block"],
+        "offload": "none",
+        "on_device": 2,
+    }
+    assert plain["config"]["activations"]["checkpoint"] == []
     assert run["curves"]["loss"] == plain["curves"]["loss"]
     for mine, theirs in zip(run["memory"], plain["memory"], strict=True):  # per rank
         kept, before = mine["peak"]["activations"], theirs["peak"]["activations"]
         assert 0 < kept < before / 2, (kept, before)
         assert mine["peak_theory"]["activations"] < theirs["peak_theory"]["activations"]
     assert "activation checkpointing full" in proc.stdout.splitlines()[0]
+    # offload: the blocks' inputs wait in host memory; the same losses again.
+    out = root / "offloaded"
+    args = ["--stage", "2", "--activation-checkpointing", "offload"]
+    _ok(_zerodp_train([*TINY, "--steps", "3", *args, "--out", str(out)], root))
+    (offloaded,) = _report(out)["runs"]
+    assert offloaded["config"]["activations"] == {
+        "checkpoint": ["Block"],
+        "offload": "cpu",
+        "on_device": 2,
+    }
+    assert offloaded["curves"]["loss"] == plain["curves"]["loss"]
 
 
 @pytest.mark.timeout(200)

@@ -240,7 +240,7 @@ NON_DEFAULT = ZeroConfig(
         ring_buckets=2,
         host_gradients="full",
     ),
-    activations=Activations(checkpoint=("Block",)),
+    activations=Activations(checkpoint=("Block",), offload="cpu", on_device=3),
 )
 # Partial offload keeps gradients on the device: its field is set in a second configuration.
 PARTIAL = dataclasses.replace(

@@ -5,14 +5,18 @@ from zerodp.activations.checkpointing import (
     checkpoint_modules,
     checkpoint_wrapper,
     is_checkpointed,
+    offload_of,
     uncheckpoint,
 )
+from zerodp.activations.offload import CheckpointOffload
 from zerodp.activations.scope import recomputing
 
 __all__ = [
+    "CheckpointOffload",
     "checkpoint_modules",
     "checkpoint_wrapper",
     "is_checkpointed",
+    "offload_of",
     "recomputing",
     "uncheckpoint",
 ]

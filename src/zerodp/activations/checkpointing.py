@@ -33,9 +33,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zerodp.activations.offload import CheckpointOffload, Slot
 from zerodp.activations.scope import recompute_scope
 
 _ORIGINAL = "_zerodp_checkpointed_forward"
@@ -45,9 +47,10 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _ORIGINAL in module.__dict__
 
 
-def checkpoint_wrapper(module: nn.Module) -> nn.Module:
+def checkpoint_wrapper(module: nn.Module, offload: CheckpointOffload | None = None) -> nn.Module:
     """Checkpoint ``module``'s forward ([Note: activation checkpointing]); returns ``module``
-    itself (its forward attribute replaced). Raises if it is checkpointed already."""
+    itself (its forward attribute replaced). ``offload``: its inputs wait for the backward in
+    host memory ([Note: checkpoint offload]). Raises if it is checkpointed already."""
     if is_checkpointed(module):
         raise ValueError(
             f"{type(module).__name__} is checkpointed already (zerodp.checkpoint_wrapper "
@@ -55,8 +58,18 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
         )
     original = module.forward
     module.__dict__[_ORIGINAL] = original
-    module.forward = functools.wraps(original)(functools.partial(_checkpointed, original))
+    wrapped = functools.partial(_checkpointed, original, offload)
+    module.forward = functools.wraps(original)(wrapped)
     return module
+
+
+def offload_of(module: nn.Module) -> CheckpointOffload | None:
+    """The checkpoint offload of a checkpointed ``module`` (None: its inputs stay)."""
+    if not is_checkpointed(module):
+        return None
+    offload = module.__dict__["forward"].args[1]
+    assert offload is None or isinstance(offload, CheckpointOffload)
+    return offload
 
 
 def uncheckpoint(module: nn.Module) -> None:
@@ -96,7 +109,14 @@ def checkpoint_modules(model: nn.Module, classes: tuple[str, ...]) -> list[str]:
     return names
 
 
-def _checkpointed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(
+    original: Callable[..., Any], offload: CheckpointOffload | None, *args: Any, **kwargs: Any
+) -> Any:
+    if not torch.is_grad_enabled():  # no backward can follow: nothing to keep or recompute
+        return original(*args, **kwargs)
+    slot: Slot | None = None
+    if offload is not None:
+        args, slot = offload.own_inputs(args)
     calls = 0
 
     def run(*a: Any, **kw: Any) -> Any:
@@ -104,7 +124,12 @@ def _checkpointed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         calls += 1
         if calls == 1:  # the forward
             return original(*a, **kw)
+        if offload is not None and slot is not None:
+            offload.load(slot)
         with recompute_scope():  # its backward's recompute
             return original(*a, **kw)
 
-    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+    out = checkpoint(run, *args, use_reentrant=False, **kwargs)
+    if offload is not None and slot is not None:
+        offload.store(slot)
+    return out

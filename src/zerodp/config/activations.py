@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zerodp.config.checks import field_path
+from zerodp.config.checks import check_choice, check_positive_int, field_path
 from zerodp.config.nesting import Policy
+
+OFFLOAD = ("none", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,6 +28,16 @@ class Activations(Policy):
     a module inside a checkpointed one is recomputed with it. At stage 3 every unit is still
     gathered twice per step. The same as ``zerodp.checkpoint_wrapper`` on each module."""
 
+    offload: str = "none"
+    """``"cpu"``: the inputs the checkpointed modules keep wait for their backward in host
+    memory (the paper's P_a+cpu), copied out after each module's forward and back one module
+    ahead in backward, overlapped on side streams ([Note: checkpoint offload] in
+    activations/offload.py). Needs ``checkpoint``."""
+
+    on_device: int = 2
+    """With ``offload="cpu"``: at most this many checkpoints on the device at once (the
+    forward waits for the oldest copy beyond it)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint, list):  # from JSON
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
@@ -35,4 +47,11 @@ class Activations(Policy):
             raise ValueError(
                 f"{field_path(self, 'checkpoint')} must be a tuple of module class names; "
                 f"got {self.checkpoint!r}"
+            )
+        check_choice(self, "offload", OFFLOAD)
+        check_positive_int(self, "on_device")
+        if self.offload != "none" and not self.checkpoint:
+            raise ValueError(
+                f"{field_path(self, 'offload')}={self.offload!r} moves the inputs of "
+                f"checkpointed modules: name their classes in {field_path(self, 'checkpoint')}"
             )

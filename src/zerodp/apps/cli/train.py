@@ -114,8 +114,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(CHECKPOINTED),
         default=d.activation_checkpointing,
         help="full = every transformer block keeps only its input and recomputes its forward "
-        "in backward (less activation memory, about one more forward of compute; any stage) "
-        "(default %(default)s)",
+        "in backward (less activation memory, about one more forward of compute; any stage); "
+        "offload = as full, and those inputs wait in host memory (default %(default)s)",
     )
     zero.add_argument(
         "--offload-dir",

@@ -143,7 +143,7 @@ def _train_stage(
         cfg.seq_len,
         options.batch,
         result.element_size,
-        checkpointing=options.activation_checkpointing == "full",
+        checkpointing=options.activation_checkpointing != "none",
     )
     result.sample_prompt = SAMPLE_PROMPT
     result.sample_text = _sample(model, options, ctx)

@@ -23,9 +23,10 @@ MIB = 2**20
 DEFAULT_BUCKET_BYTES = ZeroConfig().bucket_bytes
 MIN_AUTO_BUCKET_BYTES = 64 * 2**10  # below this, per-collective latency dominates
 
-CHECKPOINTED = {"none": (), "full": (Block.__name__,)}
+CHECKPOINTED = {"none": (), "full": (Block.__name__,), "offload": (Block.__name__,)}
 """``--activation-checkpointing``: the GPT's module classes ``ZeroConfig.activations`` checkpoints
-(every transformer block: each keeps only its input, [Note: activation checkpointing])."""
+(every transformer block: each keeps only its input, [Note: activation checkpointing]); with
+"offload" that input waits in host memory ([Note: checkpoint offload])."""
 
 FAIL_AT_ENV = "ZERODP_TRAIN_FAIL_AT"
 """Test-only: ``"RANK:STEP"`` makes that rank raise at that step, to exercise failure reporting."""
@@ -55,7 +56,7 @@ class TrainOptions:
     offload_dir: str | None = None  # ZeroConfig.offload.path (the "nvme" tier's directory)
     offload_fraction: float | str = 1.0  # ZeroConfig.offload.optimizer_fraction
     offload_host_gradients: str = "auto"  # ZeroConfig.offload.host_gradients
-    activation_checkpointing: str = "none"  # "full": ZeroConfig.activations.checkpoint the blocks
+    activation_checkpointing: str = "none"  # "full"/"offload": ZeroConfig.activations
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -95,7 +96,10 @@ class TrainOptions:
             precision=self.precision,
             bucket_bytes=self.bucket_bytes_for(param_bytes),
             offload=self.offload_config(),
-            activations=Activations(checkpoint=CHECKPOINTED[self.activation_checkpointing]),
+            activations=Activations(
+                checkpoint=CHECKPOINTED[self.activation_checkpointing],
+                offload="cpu" if self.activation_checkpointing == "offload" else "none",
+            ),
         )
 
     @property

@@ -1,0 +1,154 @@
+"""Checkpoints in host memory (the paper's P_a+cpu): what a checkpointed module keeps from its
+forward, its inputs, waits for its backward off the device.
+
+[Note: checkpoint offload]
+With ``Activations(offload="cpu")`` every positional tensor input of a checkpointed module is
+first given storage of its own (``_Own``: a copy whose gradient passes straight through, so no
+other tensor, a residual stream or a hidden state the caller keeps, shares it), and after the
+module's forward that copy goes to a host buffer on the ``"d2h"`` side stream of the stream
+owner ([Note: streams]); once the copy completed its device storage is resized to 0 (the
+tensor object stays where torch's checkpoint keeps it). The newest ``on_device`` checkpoints
+stay on the device (the backward starts with them); the forward waits for the copy of the oldest
+beyond that and frees it. In backward the
+recompute of a module first makes sure its inputs are back (their storage resized and filled
+from the host on the ``"h2d"`` stream), then starts bringing back the checkpoint the backward
+reaches next (the one before it in forward order), so each copy overlaps a module's backward.
+Tensors passed by keyword (masks, position ids) stay where they are: usually shared by every
+layer and small. Code path is the same on CPU and CUDA; on the CPU the "device" is host memory
+too, so the tests check the mechanism (bytes moved, storages freed, parity), not a saving.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerodp.streams import Event, Streams
+
+
+class _Own(torch.autograd.Function):
+    """``x`` in storage of its own; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@dataclass(eq=False)
+class Slot:
+    """The offloaded inputs of one checkpointed forward call."""
+
+    tensors: list[torch.Tensor]
+    host: list[torch.Tensor] = field(default_factory=list)
+    stored: Event | None = None  # the copy to the host
+    loaded: Event | None = None  # the copy back
+    freed: bool = False  # device storage resized to 0
+
+
+class CheckpointOffload:
+    """Moves checkpointed inputs to host memory and back ([Note: checkpoint offload])."""
+
+    def __init__(self, streams: Streams, on_device: int) -> None:
+        self.streams = streams
+        self.on_device = on_device
+        self.stored_bytes = 0  # copied to the host, ever
+        self.loaded_bytes = 0  # copied back, ever
+        self.peak_resident = 0  # most checkpoints on the device after a forward's store
+        self._pending: list[Slot] = []  # copying out, device storage not freed yet
+        self._order: list[weakref.ref[Slot]] = []  # this pass's slots, in forward order
+
+    def own_inputs(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Slot]:
+        """``args`` with every tensor in storage of its own, and the slot that will hold them."""
+        owned = tuple(_Own.apply(a) if isinstance(a, torch.Tensor) else a for a in args)
+        return owned, Slot([a for a in owned if isinstance(a, torch.Tensor)])
+
+    def store(self, slot: Slot) -> None:
+        """After the forward: copy the slot's tensors out, free them once copied."""
+        if not slot.tensors:
+            return
+        streams = self.streams
+        slot.host = [streams.host_empty(t.numel(), t.dtype) for t in slot.tensors]
+        d2h = streams.side("d2h")
+        d2h.wait(streams.compute.submit(lambda: None))  # after the forward that wrote them
+
+        def copy() -> None:
+            with torch.no_grad():
+                for h, t in zip(slot.host, slot.tensors, strict=True):
+                    h.copy_(_alias(t), non_blocking=True)
+
+        slot.stored = d2h.submit(copy, uses=slot.tensors)
+        self.stored_bytes += sum(t.numel() * t.element_size() for t in slot.tensors)
+        self._order = [r for r in self._order if r() is not None]
+        self._order.append(weakref.ref(slot))
+        self._pending.append(slot)
+        self._free(keep=self.on_device)
+        self.peak_resident = max(self.peak_resident, len(self._pending))
+
+    def load(self, slot: Slot) -> None:
+        """In the recompute: the slot's tensors are back on the device before they are read;
+        then the previous checkpoint starts coming back."""
+        self._start_load(slot)
+        assert slot.loaded is not None
+        self.streams.compute.wait(slot.loaded)
+        alive = [r() for r in self._order]
+        if slot in alive:
+            earlier = [s for s in alive[: alive.index(slot)] if s is not None and s.freed]
+            if earlier:
+                self._start_load(earlier[-1])
+
+    def _start_load(self, slot: Slot) -> None:
+        if slot.loaded is not None:
+            return
+        if slot in self._pending:  # still copying out: wait, and it never left
+            self._pending.remove(slot)
+            assert slot.stored is not None
+            slot.stored.wait()
+        if not slot.freed:
+            slot.loaded = self.streams.compute.submit(lambda: None)
+            return
+        for t in slot.tensors:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        h2d = self.streams.side("h2d")
+        h2d.wait(self.streams.compute.submit(lambda: None))
+
+        def copy() -> None:
+            with torch.no_grad():
+                for h, t in zip(slot.host, slot.tensors, strict=True):
+                    _alias(t).copy_(h, non_blocking=True)
+
+        slot.loaded = h2d.submit(copy, uses=[*slot.tensors, *slot.host])
+        slot.freed = False
+        self.loaded_bytes += sum(t.numel() * t.element_size() for t in slot.tensors)
+
+    def _free(self, keep: int) -> None:
+        """Free the device storage of the oldest checkpoints (waiting for their copies) while
+        more than ``keep`` are on the device. The newest ``keep`` stay: the backward starts
+        with them, and the bytes moved do not depend on how fast the copies ran."""
+        while len(self._pending) > keep:
+            slot = self._pending[0]
+            assert slot.stored is not None
+            slot.stored.wait()
+            for t in slot.tensors:
+                t.untyped_storage().resize_(0)
+            slot.freed = True
+            self._pending.pop(0)
+
+    def resident_bytes(self) -> int:
+        """Device bytes of the checkpoints this offload holds now (the tests' measure)."""
+        slots = [r() for r in self._order]
+        return sum(t.untyped_storage().nbytes() for s in slots if s is not None for t in s.tensors)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements, flat, as a tensor of its own over the same storage: writing it does not
+    move ``t``'s version counter, which torch's checkpoint checks when it reads its inputs back
+    (``t`` is one of ``_Own``'s contiguous copies)."""
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
