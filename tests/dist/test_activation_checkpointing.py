@@ -109,6 +109,7 @@ def _moved(model: nn.Module, since: dict | None = None) -> dict:
         "stored": offload.stored_bytes - base["stored"],
         "loaded": offload.loaded_bytes - base["loaded"],
         "peak_resident": offload.peak_resident,
+        "host_buffers": offload.host_buffers,
     }
 
 
@@ -149,11 +150,13 @@ def test_gpt_checkpointed_blocks(world, stage):
                 # The checkpointed block's own hooks run once per forward: the same events.
                 assert ckpt["events"] == plain["events"], (ckpt["events"], plain["events"])
         # [Note: checkpoint offload]: each block's [2, 16, 32] fp32 input (4096 bytes) goes to
-        # the host; the newest one (on_device=1) stays, the other two come back.
+        # the host; the newest one (on_device=1) stays, the other two come back; 3 steps in
+        # all, one host buffer per block.
         assert o[("Block",), "cpu"]["moved"] == {
             "stored": 3 * 4096,
             "loaded": 2 * 4096,
             "peak_resident": 1,
+            "host_buffers": 3,
         }, o
 
 

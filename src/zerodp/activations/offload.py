@@ -60,9 +60,13 @@ class CheckpointOffload:
         self.on_device = on_device
         self.stored_bytes = 0  # copied to the host, ever
         self.loaded_bytes = 0  # copied back, ever
+        self.host_buffers = 0  # host buffers allocated, ever
         self.peak_resident = 0  # most checkpoints on the device after a forward's store
         self._pending: list[Slot] = []  # copying out, device storage not freed yet
         self._order: list[weakref.ref[Slot]] = []  # this pass's slots, in forward order
+        # Host buffers back from the device, by size: a step reuses the last one's (pinned
+        # allocations are slow, and host memory stays what one pass needs).
+        self._spare: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def own_inputs(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Slot]:
         """``args`` with every tensor in storage of its own, and the slot that will hold them."""
@@ -74,7 +78,7 @@ class CheckpointOffload:
         if not slot.tensors:
             return
         streams = self.streams
-        slot.host = [streams.host_empty(t.numel(), t.dtype) for t in slot.tensors]
+        slot.host = [self._host_buffer(t.numel(), t.dtype) for t in slot.tensors]
         d2h = streams.side("d2h")
         d2h.wait(streams.compute.submit(lambda: None))  # after the forward that wrote them
 
@@ -97,11 +101,22 @@ class CheckpointOffload:
         self._start_load(slot)
         assert slot.loaded is not None
         self.streams.compute.wait(slot.loaded)
+        # Reused by a later store, whose copy the d2h stream orders after this compute point.
+        for h in slot.host:
+            self._spare.setdefault((h.numel(), h.dtype), []).append(h)
+        slot.host = []
         alive = [r() for r in self._order]
         if slot in alive:
             earlier = [s for s in alive[: alive.index(slot)] if s is not None and s.freed]
             if earlier:
                 self._start_load(earlier[-1])
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        spare = self._spare.get((numel, dtype))
+        if spare:
+            return spare.pop()
+        self.host_buffers += 1
+        return self.streams.host_empty(numel, dtype)
 
     def _start_load(self, slot: Slot) -> None:
         if slot.loaded is not None:
