@@ -7,6 +7,8 @@ autograd keeps shrink; misuse is refused before anything changes."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from functools import partial
 from unittest import mock
 
@@ -25,9 +27,10 @@ from zerotest import (
 
 import zerodp
 from zerodp import api
-from zerodp.activations import is_checkpointed, offload_of
+from zerodp.activations import CheckpointOffload, is_checkpointed, offload_of
 from zerodp.apps.models.gpt import GPT, GPTConfig
 from zerodp.memory.saved import SavedForBackward
+from zerodp.streams import make_streams
 
 TIMEOUT = 240.0
 GPT_SHAPE = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, n_embd=32)
@@ -330,3 +333,76 @@ def case_failed_initialize() -> list[bool]:
 def test_failed_initialize_checkpoints_nothing(world):
     for flags in world(2).run(case_failed_initialize, timeout=TIMEOUT):
         assert flags and not any(flags)
+
+
+class Passing(nn.Module):
+    """Returns a view of its input beside its result: the caller holds storage the offload
+    must not free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.fc(x)), x[:, :2]
+
+
+def _offloaded_chain(seed: int) -> tuple[nn.ModuleList, CheckpointOffload]:
+    torch.manual_seed(seed)
+    chain = nn.ModuleList(Passing() for _ in range(3))
+    offload = CheckpointOffload(make_streams("cpu"), on_device=1)
+    for m in chain:
+        zerodp.checkpoint_wrapper(m, offload)
+    return chain, offload
+
+
+def _run_chain(chain: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    views = []
+    for m in chain:
+        x, view = m(x)
+        views.append(view)
+    return x, views
+
+
+def test_offload_keeps_inputs_an_output_shares():
+    chain, offload = _offloaded_chain(0)
+    torch.manual_seed(0)
+    plain = nn.ModuleList(Passing() for _ in range(3))
+    x = torch.randn(4, 8, requires_grad=True)
+    out, views = _run_chain(chain, x)
+    ref_out, ref_views = _run_chain(plain, x)
+    # Every input is shared with an output: none is moved, every view still reads its values.
+    assert offload.stored_bytes == 0
+    for v, r in zip(views, ref_views, strict=True):
+        assert v.untyped_storage().nbytes() > 0 and torch.equal(v, r)
+    (out.sum() + sum(v.sum() for v in views)).backward()
+    grads = [p.grad for p in chain.parameters()]
+    plain_grads = []
+    x.grad = None
+    (ref_out.sum() + sum(v.sum() for v in ref_views)).backward()
+    plain_grads = [p.grad for p in plain.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+
+
+def test_a_copied_model_gets_an_offload_of_its_own():
+    """deepcopy (an EMA copy) and pickling (torch.save of the model) work with offload: the
+    copy has its own offload, and trains alike."""
+    model = _gpt()
+    offload = CheckpointOffload(make_streams("cpu"), on_device=1)
+    for block in model.blocks:
+        zerodp.checkpoint_wrapper(block, offload)
+    twin = copy.deepcopy(model)
+    again = pickle.loads(pickle.dumps(model))
+    ids, targets = _gpt_batches(0, 1)[0]
+    losses = []
+    for m in (model, twin, again):
+        theirs = offload_of(m.blocks[0])
+        assert theirs is not None and (theirs is offload) == (m is model)
+        assert all(offload_of(b) is theirs for b in m.blocks)
+        loss = m(ids, targets)[1]
+        loss.backward()
+        losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+        assert theirs.stored_bytes == 3 * 2 * 16 * 32 * 4
+    for loss, grads in losses[1:]:
+        assert loss == losses[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(grads, losses[0][1], strict=True))

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerodp.activations.offload import CheckpointOffload, Slot
 from zerodp.activations.scope import recompute_scope
+from zerodp.params.tree import tensors_in
 
 _ORIGINAL = "_zerodp_checkpointed_forward"
 
@@ -131,5 +132,5 @@ def _checkpointed(
 
     out = checkpoint(run, *args, use_reentrant=False, **kwargs)
     if offload is not None and slot is not None:
-        offload.store(slot)
+        offload.store(slot, tensors_in(out))
     return out

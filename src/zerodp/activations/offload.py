@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zerodp.streams import Event, Streams
+from zerodp.streams import Event, Streams, make_streams
 
 
 class _Own(torch.autograd.Function):
@@ -73,9 +73,12 @@ class CheckpointOffload:
         owned = tuple(_Own.apply(a) if isinstance(a, torch.Tensor) else a for a in args)
         return owned, Slot([a for a in owned if isinstance(a, torch.Tensor)])
 
-    def store(self, slot: Slot) -> None:
-        """After the forward: copy the slot's tensors out, free them once copied."""
-        if not slot.tensors:
+    def store(self, slot: Slot, outputs: list[torch.Tensor]) -> None:
+        """After the forward: copy the slot's tensors out, free them once copied. Not where an
+        output shares their storage (a module returning its input, a view of it, or adding to
+        it in place): freeing would take the caller's output away."""
+        keys = {t.untyped_storage().data_ptr() for t in slot.tensors}
+        if not slot.tensors or any(o.untyped_storage().data_ptr() in keys for o in outputs):
             return
         streams = self.streams
         slot.host = [self._host_buffer(t.numel(), t.dtype) for t in slot.tensors]
@@ -111,6 +114,11 @@ class CheckpointOffload:
             if earlier:
                 self._start_load(earlier[-1])
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copied or pickled model (an EMA copy, torch.save) gets an offload of its own, with
+        # its own streams: nothing of this one's state (threads, buffers in flight) travels.
+        return (_fresh, (str(self.streams.device), self.on_device))
+
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         spare = self._spare.get((numel, dtype))
         if spare:
@@ -138,7 +146,9 @@ class CheckpointOffload:
                 for h, t in zip(slot.host, slot.tensors, strict=True):
                     _alias(t).copy_(h, non_blocking=True)
 
-        slot.loaded = h2d.submit(copy, uses=[*slot.tensors, *slot.host])
+        # Only device tensors in ``uses`` (CUDA's record_stream has no pinned-host kernel); the
+        # host buffers go back to ``_spare`` only after the compute stream waited for this copy.
+        slot.loaded = h2d.submit(copy, uses=slot.tensors)
         slot.freed = False
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in slot.tensors)
 
@@ -167,3 +177,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     (``t`` is one of ``_Own``'s contiguous copies)."""
     flat = torch.empty(0, dtype=t.dtype, device=t.device)
     return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+
+
+def _fresh(device: str, on_device: int) -> CheckpointOffload:
+    return CheckpointOffload(make_streams(device), on_device)

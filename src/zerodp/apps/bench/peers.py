@@ -330,10 +330,10 @@ def build(name: str, module: nn.Module, info: RankInfo, options: BenchOptions) -
     """Wrap ``module`` (already on ``info.device``) for configuration ``name``; with
     ``activation_checkpointing`` its blocks are checkpointed first, alike for every system."""
     if options.activation_checkpointing:
-        from zerodp.activations import checkpoint_wrapper
+        import zerodp
 
         for block in _units(module):
-            checkpoint_wrapper(block)
+            zerodp.checkpoint_wrapper(block)
     return BUILDERS[name](module, info, options)
 
 
