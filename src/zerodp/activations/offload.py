@@ -146,8 +146,9 @@ class CheckpointOffload:
                 for h, t in zip(slot.host, slot.tensors, strict=True):
                     _alias(t).copy_(h, non_blocking=True)
 
-        # Only device tensors in ``uses`` (CUDA's record_stream has no pinned-host kernel); the
-        # host buffers go back to ``_spare`` only after the compute stream waited for this copy.
+        # Only device tensors in ``uses`` (CUDA can mark only device memory as used by a side
+        # stream); the host buffers go back to ``_spare`` only after the compute stream waited
+        # for this copy.
         slot.loaded = h2d.submit(copy, uses=slot.tensors)
         slot.freed = False
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in slot.tensors)
