@@ -172,7 +172,9 @@ def test_activation_checkpointing_trains_exactly_with_fewer_activations(
     for mine, theirs in zip(run["memory"], plain["memory"], strict=True):  # per rank
         kept, before = mine["peak"]["activations"], theirs["peak"]["activations"]
         assert 0 < kept < before / 2, (kept, before)
-        assert mine["peak_theory"]["activations"] < theirs["peak_theory"]["activations"]
+        # [Note: GPT activations]: the prediction is the measurement, to the byte.
+        assert kept == mine["peak_theory"]["activations"], mine
+        assert before == theirs["peak_theory"]["activations"], theirs
     assert "activation checkpointing full" in proc.stdout.splitlines()[0]
     # offload: the blocks' inputs wait in host memory; the same losses again.
     out = root / "offloaded"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from zerodp.apps.cli.train import add_train_arguments, options_from_args
+from zerodp.apps.models.gpt import GPTConfig
 from zerodp.apps.train.launch import (
     describe_failure,
     format_child_failure,
@@ -48,6 +49,7 @@ from zerodp.apps.train.theory import (
     memory_peak_theory,
 )
 from zerodp.apps.train.world import device_peak
+from zerodp.config import Activations
 
 PSI = 1000  # Ψ of the made-up runs below; world size 2, fp32
 
@@ -273,9 +275,17 @@ def test_the_measured_peak_is_split_by_what_held_it() -> None:
     assert predicted["total"] == pytest.approx(sum(predicted[k] for k in PEAK_CATEGORIES[:6]))
 
 
-def test_activations_theory_is_the_papers_12hbsl_plus_the_logits() -> None:
-    # 2 layers, h 8, vocab 50, s 4, b 3, bf16: 12·8·3·4·2 values of 2 B + 3·4·50·(2 + 4) B.
-    assert activations_theory(2, 8, 50, 4, 3, 2) == 12 * 8 * 3 * 4 * 2 * 2 + 3 * 4 * 50 * 6
+def test_activations_theory_counts_what_the_gpt_saves() -> None:
+    """[Note: GPT activations], by hand: 2 layers, h 8, 2 heads, vocab 50, s 4, b 3, bf16."""
+    gpt = GPTConfig(vocab_size=50, seq_len=4, n_layer=2, n_head=2, n_embd=8)
+    bs, bsh = 3 * 4, 3 * 4 * 8
+    block = 16 * bsh * 2 + 4 * bs * 2 + 3 * 2 * 4 * 4  # + the attention's fp32 log-sum-exp
+    outside = 2 * bsh * 2 + 2 * bs * 2 + 4 * bs * 50 + 16 * bs + 8 * 4 + 4
+    assert activations_theory(gpt, 3, 2, Activations()) == 2 * block + outside
+    full = Activations(checkpoint=("Block",))
+    assert activations_theory(gpt, 3, 2, full) == 2 * bsh * 2 + outside
+    offload = Activations(checkpoint=("Block",), offload="cpu", on_device=1)
+    assert activations_theory(gpt, 3, 2, offload) == bsh * 2 + outside
 
 
 def test_mfu_needs_a_known_peak(monkeypatch: pytest.MonkeyPatch) -> None:

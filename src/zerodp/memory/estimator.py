@@ -203,6 +203,42 @@ def activation_bytes(shape: GPTShape, *, dtype_bytes: int, checkpointing: bool =
     return float(values * dtype_bytes)
 
 
+def gpt_saved_bytes(
+    shape: GPTShape,
+    *,
+    heads: int,
+    dtype_bytes: int,
+    checkpointing: bool = False,
+    on_device: int | None = None,
+) -> int:
+    """Bytes one training forward of the shipped GPT (``zerodp.apps.models.gpt``: pre-LN
+    blocks, ``scaled_dot_product_attention``, GELU MLP, tied head, fp32 loss, no dropout)
+    leaves for its backward, per rank, counted by storage as ``SavedForBackward`` does
+    ([Note: GPT activations]); exact, as measured on the CPU (``tests/unit/test_gpt_saved.py``).
+
+    [Note: GPT activations]
+    With b sequences of s tokens, hidden h, a heads, vocabulary V, p bytes per compute element:
+    each block keeps 16·bsh·p (its input and its LayerNorm's output, the q/k/v projection 3,
+    the attention output and its re-laid copy, the second LayerNorm's input and output, the MLP's
+    up-projection 4 and GELU output 4), its two LayerNorms' mean and rstd 4·bs·p, and the
+    attention's log-sum-exp b·a·s in fp32. Checkpointed, a block keeps its input only, bsh·p
+    (``on_device``: with the checkpoint offload, only that many stay on the device). Outside
+    the blocks: the final LayerNorm's input and output 2·bsh·p and statistics 2·bs·p, the fp32
+    log-softmax of the logits 4·bsV, the token ids and targets (int64, 16·bs), the positions
+    (8·s) and the loss's fp32 weight (4). The paper's 12·h·b·s·L (``activation_bytes``) counts
+    neither the logits nor the statistics. A dropout > 0 adds its masks (not modelled here).
+    """
+    b, s, h, layers = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers
+    bs, bsh, p = b * s, b * s * h, dtype_bytes
+    if checkpointing:
+        kept = layers if on_device is None else min(layers, on_device)
+        blocks = kept * bsh * p
+    else:
+        blocks = layers * (16 * bsh * p + 4 * bs * p + b * heads * s * 4)
+    outside = 2 * bsh * p + 2 * bs * p + 4 * bs * shape.vocab + 16 * bs + 8 * s + 4
+    return blocks + outside
+
+
 def comm_buffer_bytes(
     stage: int,
     bucket_bytes: float,

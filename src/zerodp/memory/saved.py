@@ -38,8 +38,14 @@ class SavedForBackward:
     """
 
     def __init__(self, exclude: Iterable[Any]) -> None:
-        tensors = (local_tensor(x) for x in exclude)
+        params = list(exclude)
+        tensors = (local_tensor(x) for x in params)
         self._exclude = {storage_key(t) for t in tensors if t is not None}
+        # The parameters themselves, and views of them, whatever storage they have when saved:
+        # a stage-3 unit's parameters then view its gathered buffer, which a unit held into the
+        # backward (the root, the last block) keeps alive; those bytes are gathered
+        # parameters, not activations.
+        self._param_ids = {id(x) for x in params}
         self._seen: set[tuple[str, int]] = set()
         self._storages: list[torch.UntypedStorage] = []
         self.nbytes = 0
@@ -49,10 +55,17 @@ class SavedForBackward:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         with contextlib.suppress(RuntimeError):  # no storage (sparse, nested): not counted
             key = storage_key(t)
-            if key[1] != 0 and key not in self._seen:
-                self._seen.add(key)
+            # Seen by storage object, not address: a stage-3 unit's buffer freed after its
+            # forward may hand its address to a later activation, which must still count.
+            ident = (key[0], t.untyped_storage()._cdata)
+            if key[1] != 0 and ident not in self._seen:
+                self._seen.add(ident)
                 n = t.untyped_storage().nbytes()
-                if key in self._exclude:
+                base = t._base
+                is_param = id(t) in self._param_ids or (
+                    base is not None and id(base) in self._param_ids
+                )
+                if key in self._exclude or is_param:
                     self.param_bytes += n
                 else:
                     self.nbytes += n

@@ -135,7 +135,7 @@ def _meta(
     import torch
 
     from zerodp.apps.models.gpt import get_config
-    from zerodp.memory import GPTShape, activation_bytes, dtype_bytes
+    from zerodp.memory import GPTShape, activation_bytes, dtype_bytes, gpt_saved_bytes
 
     cfg = get_config(options.preset)
     shape = GPTShape(
@@ -149,9 +149,16 @@ def _meta(
     return {
         **options.to_dict(),
         "seq_len": cfg.seq_len,
-        # The paper's 12·h·b·s·L activation values per rank, to set beside "other at peak".
+        # The paper's 12·h·b·s·L activation values per rank, to set beside "other at peak",
+        # and what the shipped GPT's forward leaves exactly ([Note: GPT activations]).
         "activation_bytes_estimate": activation_bytes(
             shape,
+            dtype_bytes=dtype_bytes(options.precision),
+            checkpointing=options.activation_checkpointing,
+        ),
+        "activation_bytes_saved": gpt_saved_bytes(
+            shape,
+            heads=cfg.n_head,
             dtype_bytes=dtype_bytes(options.precision),
             checkpointing=options.activation_checkpointing,
         ),

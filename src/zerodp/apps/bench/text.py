@@ -218,7 +218,9 @@ def format_report(report: Mapping[str, Any]) -> str:
         format_breakdown_table(report),
         "",
         "Activations per rank, the paper's estimate (12·h·b·s·L values, logits not counted): "
-        f"{fmt_mib(report['meta'].get('activation_bytes_estimate'))} MiB",
+        f"{fmt_mib(report['meta'].get('activation_bytes_estimate'))} MiB; what this GPT's "
+        "forward saves for its backward (stages 0-3 alike, [Note: GPT activations]): "
+        f"{fmt_mib(report['meta'].get('activation_bytes_saved'))} MiB",
         "",
         "Communication per step in units of Ψ (zerodp measured by its ledger; peers: theory):",
         "",

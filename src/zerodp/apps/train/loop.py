@@ -137,13 +137,7 @@ def _train_stage(
     result.largest_unit_bytes = largest_unit * result.element_size
     cfg = gpt.config
     result.activations_theory = activations_theory(
-        cfg.n_layer,
-        cfg.n_embd,
-        cfg.vocab_size,
-        cfg.seq_len,
-        options.batch,
-        result.element_size,
-        checkpointing=options.activation_checkpointing != "none",
+        cfg, options.batch, result.element_size, opt.config.activations
     )
     result.sample_prompt = SAMPLE_PROMPT
     result.sample_text = _sample(model, options, ctx)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerodp.apps.models.gpt import GPTConfig
 from zerodp.apps.train.result import RunResult
-from zerodp.memory import GPTShape, activation_bytes, comm_buffer_bytes
+from zerodp.config import Activations
+from zerodp.memory import GPTShape, comm_buffer_bytes, gpt_saved_bytes
 
 MB = 1e6
 
@@ -121,8 +123,8 @@ def memory_peak(measured: dict[str, Any]) -> dict[str, Any] | None:
 def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, Any] | None:
     """The estimator's prediction of the same peak: the model states and buffers
     (``memory_theory``), the gathered units the stage-3 schedule bounds, and the activations
-    of ``activation_bytes`` plus the logits (``run.activations_theory``); it has no figure for
-    the rest or the runtime."""
+    the forward leaves (``run.activations_theory``, exact for the shipped GPT); it has no
+    figure for the rest (the backward's temporaries) or the runtime."""
     at_rest = memory_theory(run, measured)
     if at_rest is None:
         return None
@@ -133,20 +135,26 @@ def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, An
 
 
 def activations_theory(
-    layers: int,
-    hidden: int,
-    vocab: int,
-    seq_len: int,
-    batch: int,
-    dtype_bytes: int,
-    *,
-    checkpointing: bool = False,
+    gpt: GPTConfig, batch: int, dtype_bytes: int, activations: Activations
 ) -> float:
-    """Activations one forward of the shipped GPT keeps per rank, as the estimator counts them:
-    the paper's 12·h·b·s·L values (with every block checkpointed: one h·b·s input per block
-    plus one block's 12·h·b·s recomputed in backward) plus the b·s·V logits in the compute
-    dtype and the loss's fp32 copy of them (as ``zerodp estimate --offload`` counts them)."""
-    shape = GPTShape(layers=layers, hidden=hidden, vocab=vocab, seq_len=seq_len, micro_batch=batch)
-    logits = batch * seq_len * vocab * (dtype_bytes + 4)
-    kept = activation_bytes(shape, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
-    return kept + logits
+    """Activations one forward of the shipped GPT leaves on the device per rank, to the byte
+    ([Note: GPT activations] in memory/estimator.py), with the run's checkpointing and
+    checkpoint offload."""
+    shape = GPTShape(
+        layers=gpt.n_layer,
+        hidden=gpt.n_embd,
+        vocab=gpt.vocab_size,
+        seq_len=gpt.seq_len,
+        micro_batch=batch,
+    )
+    checkpointing = bool(activations.checkpoint)
+    on_device = activations.on_device if activations.offload != "none" else None
+    return float(
+        gpt_saved_bytes(
+            shape,
+            heads=gpt.n_head,
+            dtype_bytes=dtype_bytes,
+            checkpointing=checkpointing,
+            on_device=on_device,
+        )
+    )
