@@ -130,6 +130,14 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], message: str) -> 
             "ZeroConfig.stage3.persist_numel must be a non-negative integer; got False",
         ),
         (
+            lambda: Activations(checkpoint="Block"),
+            "ZeroConfig.activations.checkpoint must be a tuple of module class names; got 'Block'",
+        ),
+        (
+            lambda: Activations(checkpoint=("Block",), offload="disk"),
+            "ZeroConfig.activations.offload must be one of 'none', 'cpu'; got 'disk'",
+        ),
+        (
             lambda: Stage3(check_unit_order=1),
             "ZeroConfig.stage3.check_unit_order must be True, False or 'exchange'; got 1",
         ),

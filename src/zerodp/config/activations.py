@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zerodp.config.checks import check_choice, check_positive_int, field_path
+from zerodp.config.checks import (
+    check_choice,
+    check_class_names,
+    check_positive_int,
+    field_path,
+)
 from zerodp.config.nesting import Policy
 
 OFFLOAD = ("none", "cpu")
@@ -39,15 +44,7 @@ class Activations(Policy):
     forward waits for the oldest copy beyond it)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.checkpoint, list):  # from JSON
-            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
-        if not isinstance(self.checkpoint, tuple) or not all(
-            isinstance(c, str) and c for c in self.checkpoint
-        ):
-            raise ValueError(
-                f"{field_path(self, 'checkpoint')} must be a tuple of module class names; "
-                f"got {self.checkpoint!r}"
-            )
+        check_class_names(self, "checkpoint")
         check_choice(self, "offload", OFFLOAD)
         check_positive_int(self, "on_device")
         if self.offload != "none" and not self.checkpoint:

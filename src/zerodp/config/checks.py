@@ -60,3 +60,15 @@ def check_in_range(policy: Policy, name: str, low: float, high: float | None) ->
         return
     bound = f"in ({low:g}, {high:g})" if high is not None else f"> {low!r}"
     raise ValueError(f"{field_path(policy, name)} must be {bound}; got {value!r}")
+
+
+def check_class_names(policy: Policy, name: str) -> None:
+    """A tuple of non-empty module class names; a list (from JSON) becomes the tuple."""
+    value = getattr(policy, name)
+    if isinstance(value, list):
+        value = tuple(value)
+        object.__setattr__(policy, name, value)
+    if not isinstance(value, tuple) or not all(isinstance(c, str) and c for c in value):
+        raise ValueError(
+            f"{field_path(policy, name)} must be a tuple of module class names; got {value!r}"
+        )

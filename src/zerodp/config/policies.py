@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from zerodp.config.checks import (
     check_choice,
+    check_class_names,
     check_in_range,
     check_non_negative_int,
     check_positive_float,
@@ -167,15 +168,7 @@ class Stage3(Policy):
     ``False`` is unsafe with control flow that differs between ranks (docs/stage3.md)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.unit_classes, list):  # from JSON
-            object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
-        if not isinstance(self.unit_classes, tuple) or not all(
-            isinstance(c, str) and c for c in self.unit_classes
-        ):
-            raise ValueError(
-                f"{field_path(self, 'unit_classes')} must be a tuple of module class names; "
-                f"got {self.unit_classes!r}"
-            )
+        check_class_names(self, "unit_classes")
         check_non_negative_int(self, "unit_min_numel")
         check_non_negative_int(self, "leaf_unit_min_numel")
         check_non_negative_int(self, "prefetch_depth")
