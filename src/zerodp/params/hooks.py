@@ -1,9 +1,7 @@
 """The stage-3 schedule, run by module and autograd hooks.
 
-Over the ~400-line budget (446) since units that run on some ranks only ([Note: merged plans]
-in order.py) added their extras and deferred reduce-scatters here; the engine restructure (one
-engine over pluggable parameter/gradient sync) is where the schedule splits into forward,
-backward and extras.
+Over the ~400-line budget: the extras of merged plans live in extras.py; the split of the rest
+into forward and backward is still to come.
 
 [Note: recompute]
 A checkpointed module's backward first runs its forward again ([Note: activation checkpointing]
@@ -93,6 +91,7 @@ import torch
 from torch import nn
 
 from zerodp.activations.scope import recomputing
+from zerodp.params.extras import ScheduleExtras
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
@@ -149,7 +148,11 @@ class Schedule:
         self._deferred: list[Unit] = []  # backward done, reduce-scatter not issued yet
         self._backward_open = False
         self._handles: list[Any] = []
-        check.extras = self  # collectives other ranks planned ([Note: merged plans])
+        # Collectives other ranks planned ([Note: merged plans]); the check holds it weakly.
+        self._extras = ScheduleExtras(
+            units, gatherer, grads, persistent_seg_ids, trace, lambda: self._backward_open
+        )
+        check.extras = self._extras
 
     def register(self, param_units: list[tuple[nn.Parameter, str, Unit | None]]) -> None:
         for unit in self.units:
@@ -386,48 +389,6 @@ class Schedule:
                 self._reduce(unit)
             else:
                 self._deferred.append(unit)
-
-    # -- extras: collectives other ranks planned ([Note: merged plans] in order.py) -----------
-
-    def can(self, op: Op, index: int) -> bool:
-        if index >= len(self.units) or not self.units[index].segments:
-            return False
-        if op is Op.GATHER:
-            return True
-        unit = self.units[index]
-        # A reduce-scatter with zeros for a unit this rank will give no gradient in this
-        # backward: it is in its backward (the forward is over) and the unit was not used.
-        return (
-            op is Op.REDUCE
-            and self._backward_open
-            and self.grads.sync_enabled
-            and not unit.touched
-            and not unit.reduced
-            and unit.ready_grads == 0
-            and not unit.pending_post_backward
-        )
-
-    def planned(self, op: Op, index: int) -> None:
-        if op is Op.REDUCE:
-            self.units[index].reduced = True
-
-    def issue(self, op: Op, index: int) -> None:
-        unit = self.units[index]
-        if op is Op.GATHER:
-            self.gatherer.gather_extra(unit)
-        else:
-            for i in unit.seg_ids:
-                self.grads.reduce(i, checked=False)
-            self.trace("reduce_extra", unit)
-
-    def stand_in(self, op: Op, index: int) -> None:
-        if op is Op.GATHER:
-            self.gatherer.gather_extra(self.units[index])
-        elif index >= len(self.units):  # a persistent segment
-            self.grads.reduce_zeros(self.persistent_seg_ids[index - len(self.units)])
-        else:
-            for i in self.units[index].seg_ids:
-                self.grads.reduce_zeros(i)
 
     # -- holding and releasing -----------------------------------------------------------------
 
