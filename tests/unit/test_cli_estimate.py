@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from zerodp.apps.cli.main import main
-from zerodp.memory import GPTShape, activation_bytes, gpt_param_count
+from zerodp.memory import GPTShape, gpt_param_count, gpt_saved_bytes
 
 # Table 1 of the ZeRO paper (P_os, P_os+g, P_os+g+p in GB), one dict per model size.
 TABLE_1 = {
@@ -118,11 +119,19 @@ def test_gpt_description_counts_params_and_activations(capsys: pytest.CaptureFix
     shape = GPTShape(layers=4, hidden=64, vocab=1000, seq_len=128, micro_batch=8)
     data = _json(capsys, *GPT_ARGS, "--gpt-batch", "8", "--world-sizes", "2")
     assert data["num_params"] == gpt_param_count(shape)
-    assert data["activation_bytes"] == activation_bytes(shape, dtype_bytes=2)
+    # [Note: GPT activations], one head per 64 of hidden by default.
+    assert data["activation_bytes"] == gpt_saved_bytes(shape, dtype_bytes=2)
     root_unit = (1000 + 128) * 64 + 2 * 64  # embeddings and final LayerNorm
     assert data["largest_unit_bytes"] == 2 * root_unit  # in bf16
     ckpt = _json(capsys, *GPT_ARGS, "--gpt-batch", "8", "--activation-checkpointing")
-    assert ckpt["activation_bytes"] == activation_bytes(shape, dtype_bytes=2, checkpointing=True)
+    recomputed = gpt_saved_bytes(shape, dtype_bytes=2) - gpt_saved_bytes(
+        dataclasses.replace(shape, layers=3), dtype_bytes=2
+    )  # one block, recomputed in the backward
+    kept = gpt_saved_bytes(shape, dtype_bytes=2, checkpointing=True)
+    assert ckpt["activation_bytes"] == kept + recomputed
+    heads = _json(capsys, *GPT_ARGS, "--gpt-batch", "8", "--gpt-heads", "4")
+    more = 4 * 8 * 3 * 128 * 4  # 3 more heads' fp32 log-sum-exp per block
+    assert heads["activation_bytes"] == data["activation_bytes"] + more
     assert "Activations per rank" in _run(capsys, *GPT_ARGS)
 
 

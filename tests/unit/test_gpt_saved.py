@@ -45,13 +45,11 @@ def _measure(shape, dtype: torch.dtype, checkpoint: str) -> tuple[int, int]:
 @pytest.mark.parametrize("checkpoint", ["none", "full", "offload"])
 def test_saved_bytes_are_exact(shape, dtype, checkpoint):
     layers, b, s, h, a, v = shape
-    gpt = GPTShape(layers=layers, hidden=h, vocab=v, seq_len=s, micro_batch=b)
+    gpt = GPTShape(layers=layers, hidden=h, vocab=v, seq_len=s, micro_batch=b, heads=a)
     size = torch.finfo(dtype).bits // 8
     kept = checkpoint != "none"
     saved, resident = _measure(shape, dtype, checkpoint)
-    assert saved == gpt_saved_bytes(gpt, heads=a, dtype_bytes=size, checkpointing=kept)
+    assert saved == gpt_saved_bytes(gpt, dtype_bytes=size, checkpointing=kept)
     on_device = 1 if checkpoint == "offload" else None
-    expected = gpt_saved_bytes(
-        gpt, heads=a, dtype_bytes=size, checkpointing=kept, on_device=on_device
-    )
+    expected = gpt_saved_bytes(gpt, dtype_bytes=size, checkpointing=kept, on_device=on_device)
     assert resident == expected

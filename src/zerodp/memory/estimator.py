@@ -139,9 +139,14 @@ class GPTShape:
     seq_len: int
     micro_batch: int = 1
     """Sequences per rank per forward; only activations depend on it."""
+    heads: int = 0
+    """Attention heads; 0: one per 64 of ``hidden`` (GPT-2's head size). Only the attention's
+    log-sum-exp (b·a·s values per block) depends on it."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "vocab", "seq_len", "micro_batch"):
+        if self.heads == 0:
+            object.__setattr__(self, "heads", max(1, self.hidden // 64))
+        for name in ("layers", "hidden", "vocab", "seq_len", "micro_batch", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTShape.{name} must be a positive integer; got {value!r}")
@@ -206,7 +211,6 @@ def activation_bytes(shape: GPTShape, *, dtype_bytes: int, checkpointing: bool =
 def gpt_saved_bytes(
     shape: GPTShape,
     *,
-    heads: int,
     dtype_bytes: int,
     checkpointing: bool = False,
     on_device: int | None = None,
@@ -219,9 +223,11 @@ def gpt_saved_bytes(
     [Note: GPT activations]
     With b sequences of s tokens, hidden h, a heads, vocabulary V, p bytes per compute element:
     each block keeps 16·bsh·p (its input and its LayerNorm's output, the q/k/v projection 3,
-    the attention output and its re-laid copy, the second LayerNorm's input and output, the MLP's
+    the attention output 1, which the output projection reads without a copy because the
+    kernel lays it out as [b, s, a, d]; the second LayerNorm's input and output, the MLP's
     up-projection 4 and GELU output 4), its two LayerNorms' mean and rstd 4·bs·p, and the
-    attention's log-sum-exp b·a·s in fp32. Checkpointed, a block keeps its input only, bsh·p
+    attention's log-sum-exp b·a·s in fp32 (an attention kernel with another output layout
+    adds one bsh·p copy). Checkpointed, a block keeps its input only, bsh·p
     (``on_device``: with the checkpoint offload, only that many stay on the device). Outside
     the blocks: the final LayerNorm's input and output 2·bsh·p and statistics 2·bs·p, the fp32
     log-softmax of the logits 4·bsV, the token ids and targets (int64, 16·bs), the positions
@@ -234,9 +240,26 @@ def gpt_saved_bytes(
         kept = layers if on_device is None else min(layers, on_device)
         blocks = kept * bsh * p
     else:
-        blocks = layers * (16 * bsh * p + 4 * bs * p + b * heads * s * 4)
+        blocks = layers * _block_saved_bytes(shape, p)
     outside = 2 * bsh * p + 2 * bs * p + 4 * bs * shape.vocab + 16 * bs + 8 * s + 4
     return blocks + outside
+
+
+def _block_saved_bytes(shape: GPTShape, p: int) -> int:
+    b, s, h = shape.micro_batch, shape.seq_len, shape.hidden
+    return 16 * b * s * h * p + 4 * b * s * p + b * shape.heads * s * 4
+
+
+def gpt_activation_bytes(
+    shape: GPTShape, *, dtype_bytes: int, checkpointing: bool = False
+) -> float:
+    """The estimator's activations per rank for the shipped GPT layout: what the forward
+    leaves for the backward (``gpt_saved_bytes``, the fp32 log-softmax of the logits included)
+    and, checkpointed, the one block the backward recomputes at a time. The logits in the
+    compute dtype, which the caller holds, are not included."""
+    saved = gpt_saved_bytes(shape, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
+    recomputed = _block_saved_bytes(shape, dtype_bytes) if checkpointing else 0
+    return float(saved + recomputed)
 
 
 def comm_buffer_bytes(

@@ -32,9 +32,9 @@ from typing import Any
 from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS
 from zerodp.memory.estimator import (
     GPTShape,
-    activation_bytes,
     comm_buffer_bytes,
     dtype_bytes,
+    gpt_activation_bytes,
     gpt_largest_unit_params,
     gpt_param_count,
     optimizer_multiplier,
@@ -267,9 +267,11 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
     activations = logits = 0.0
     if w.shape is not None:
         s = w.shape
-        activations = activation_bytes(s, dtype_bytes=int(pb), checkpointing=p.checkpointing)
-        # The logits in the compute dtype and the loss's fp32 copy of them (b·s·V each).
-        logits = s.micro_batch * s.seq_len * s.vocab * (pb + FP32)
+        activations = gpt_activation_bytes(
+            s, dtype_bytes=int(pb), checkpointing=p.checkpointing
+        )  # the loss's fp32 log-softmax included ([Note: GPT activations])
+        # The logits in the compute dtype, which the caller holds (b·s·V).
+        logits = s.micro_batch * s.seq_len * s.vocab * pb
     # Stage 3 with the parameters offloaded: the kept units' shards stay on the device.
     params_off = pb * c.resting_params * p.offloaded if p.params != "none" else 0.0
     device = Breakdown.of(

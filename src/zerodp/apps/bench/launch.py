@@ -144,6 +144,7 @@ def _meta(
         vocab=cfg.vocab_size,
         seq_len=cfg.seq_len,
         micro_batch=options.batch,
+        heads=cfg.n_head,
     )
     first = next((r[0][0] for r in runs.values() if r), {})
     return {
@@ -158,7 +159,6 @@ def _meta(
         ),
         "activation_bytes_saved": gpt_saved_bytes(
             shape,
-            heads=cfg.n_head,
             dtype_bytes=dtype_bytes(options.precision),
             checkpointing=options.activation_checkpointing,
         ),

@@ -35,12 +35,12 @@ from zerodp.memory import (
     GPTShape,
     MemoryEstimate,
     Overheads,
-    activation_bytes,
     bytes_per_param,
     count_parameters,
     dtype_bytes,
     estimate_memory,
     fits,
+    gpt_activation_bytes,
     gpt_largest_unit_params,
     gpt_param_count,
 )
@@ -69,6 +69,12 @@ def add_parser(subparsers: Any) -> None:
     model.add_argument("--gpt-hidden", type=positive_int, metavar="H", help="GPT hidden size")
     model.add_argument("--gpt-vocab", type=positive_int, metavar="V", help="GPT vocabulary size")
     model.add_argument("--gpt-seq", type=positive_int, metavar="S", help="GPT sequence length")
+    model.add_argument(
+        "--gpt-heads",
+        type=positive_int,
+        metavar="A",
+        help="GPT attention heads (default: hidden / 64)",
+    )
     model.add_argument(
         "--gpt-batch",
         type=positive_int,
@@ -212,6 +218,7 @@ def _model_size(
             vocab=args.gpt_vocab,
             seq_len=args.gpt_seq,
             micro_batch=args.gpt_batch,
+            heads=args.gpt_heads or 0,
         )
         return float(gpt_param_count(shape)), shape
     if args.model is not None:
@@ -232,7 +239,7 @@ def _overheads(
     activations = 0.0
     unit_params = args.largest_unit_params or 0.0
     if shape is not None:
-        activations = activation_bytes(
+        activations = gpt_activation_bytes(
             shape,
             dtype_bytes=dtype_bytes(args.precision),
             checkpointing=args.activation_checkpointing,

@@ -146,13 +146,13 @@ def activations_theory(
         vocab=gpt.vocab_size,
         seq_len=gpt.seq_len,
         micro_batch=batch,
+        heads=gpt.n_head,
     )
     checkpointing = bool(activations.checkpoint)
     on_device = activations.on_device if activations.offload != "none" else None
     return float(
         gpt_saved_bytes(
             shape,
-            heads=gpt.n_head,
             dtype_bytes=dtype_bytes,
             checkpointing=checkpointing,
             on_device=on_device,
