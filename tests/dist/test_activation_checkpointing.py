@@ -406,3 +406,21 @@ def test_a_copied_model_gets_an_offload_of_its_own():
     for loss, grads in losses[1:]:
         assert loss == losses[0][0]
         assert all(torch.equal(a, b) for a, b in zip(grads, losses[0][1], strict=True))
+
+
+def test_forwards_without_backward_reuse_host_buffers():
+    """Evaluation with gradients on (no backward): each forward's host buffers come back when
+    its graph is dropped, so repeated forwards allocate no more."""
+    model = _gpt()
+    offload = CheckpointOffload(make_streams("cpu"), on_device=1)
+    for block in model.blocks:
+        zerodp.checkpoint_wrapper(block, offload)
+    ids, targets = _gpt_batches(0, 1)[0]
+    counts = []
+    for _ in range(4):
+        loss = model(ids, targets)[1]
+        del loss
+        counts.append(offload.host_buffers)
+    # 3 blocks: one pass's worth, plus one for the newest checkpoint (on_device=1), which
+    # stays pending (its graph alive) until the next forward's first store.
+    assert counts == [3, 4, 4, 4], counts

@@ -82,6 +82,9 @@ class CheckpointOffload:
             return
         streams = self.streams
         slot.host = [self._host_buffer(t.numel(), t.dtype) for t in slot.tensors]
+        # A forward whose backward never comes (evaluation with gradients on): its buffers come
+        # back when autograd drops its graph, and with it the slot.
+        weakref.finalize(slot, _recycle, self._spare, slot.host)
         d2h = streams.side("d2h")
         d2h.wait(streams.compute.submit(lambda: None))  # after the forward that wrote them
 
@@ -105,9 +108,7 @@ class CheckpointOffload:
         assert slot.loaded is not None
         self.streams.compute.wait(slot.loaded)
         # Reused by a later store, whose copy the d2h stream orders after this compute point.
-        for h in slot.host:
-            self._spare.setdefault((h.numel(), h.dtype), []).append(h)
-        slot.host = []
+        _recycle(self._spare, slot.host)
         alive = [r() for r in self._order]
         if slot in alive:
             earlier = [s for s in alive[: alive.index(slot)] if s is not None and s.freed]
@@ -182,3 +183,12 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 def _fresh(device: str, on_device: int) -> CheckpointOffload:
     return CheckpointOffload(make_streams(device), on_device)
+
+
+def _recycle(
+    spare: dict[tuple[int, torch.dtype], list[torch.Tensor]], host: list[torch.Tensor]
+) -> None:
+    """Give ``host``'s buffers back to the pool (once: the list is emptied)."""
+    for h in host:
+        spare.setdefault((h.numel(), h.dtype), []).append(h)
+    host.clear()
