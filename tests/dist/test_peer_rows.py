@@ -454,6 +454,9 @@ def case_progressive_unfreezing(stage: int, frozen_in_optimizer: bool) -> list[f
         opt.zero_grad()
         assert_close(model, ref, tol=1e-5, what=f"stage {stage} step {step}")
         moved.append(((ref.fc1.weight.detach() - before).norm() / before.norm()).item())
+    if stage == 3:  # the merged plans' extras reduce through the reducer unfreezing rebuilt
+        schedule = opt.engine.params.schedule
+        assert schedule._extras.grads is schedule.grads is opt.engine.params.grads
     return moved
 
 

@@ -226,9 +226,12 @@ def gpt_saved_bytes(
     the attention output 1, which the output projection reads without a copy because the
     kernel lays it out as [b, s, a, d]; the second LayerNorm's input and output, the MLP's
     up-projection 4 and GELU output 4), its two LayerNorms' mean and rstd 4·bs·p, and the
-    attention's log-sum-exp b·a·s in fp32 (an attention kernel with another output layout
-    adds one bsh·p copy). Checkpointed, a block keeps its input only, bsh·p
-    (``on_device``: with the checkpoint offload, only that many stay on the device). Outside
+    attention's log-sum-exp b·a·s in fp32. Exact as measured on the CPU with the fused causal
+    kernel and no dropout; on CUDA the LayerNorm statistics are fp32 (8·bs more per block in
+    bf16), and the math attention kernel (dropout > 0 on the CPU, or no fused kernel) keeps the
+    b·a·s² attention probabilities instead of the log-sum-exp: not modelled. Checkpointed, a
+    block keeps its input only, bsh·p (``on_device``: with the checkpoint offload, only that
+    many stay on the device). Outside
     the blocks: the final LayerNorm's input and output 2·bsh·p and statistics 2·bs·p, the fp32
     log-softmax of the logits 4·bsV, the token ids and targets (int64, 16·bs), the positions
     (8·s) and the loss's fp32 weight (4). The paper's 12·h·b·s·L (``activation_bytes``) counts
@@ -255,10 +258,12 @@ def gpt_activation_bytes(
 ) -> float:
     """The estimator's activations per rank for the shipped GPT layout: what the forward
     leaves for the backward (``gpt_saved_bytes``, the fp32 log-softmax of the logits included)
-    and, checkpointed, the one block the backward recomputes at a time. The logits in the
+    and, checkpointed, what the one block the backward recomputes at a time adds. The logits in the
     compute dtype, which the caller holds, are not included."""
     saved = gpt_saved_bytes(shape, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
-    recomputed = _block_saved_bytes(shape, dtype_bytes) if checkpointing else 0
+    # The recomputed block reads its input from the checkpoint's storage: not a second time.
+    bsh_p = shape.micro_batch * shape.seq_len * shape.hidden * dtype_bytes
+    recomputed = _block_saved_bytes(shape, dtype_bytes) - bsh_p if checkpointing else 0
     return float(saved + recomputed)
 
 

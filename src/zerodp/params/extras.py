@@ -18,17 +18,23 @@ class ScheduleExtras:
         self,
         units: list[Unit],
         gatherer: Gatherer,
-        grads: ShardedGrads,
+        grads: Callable[[], ShardedGrads],
         persistent_seg_ids: list[int],
         trace: Trace,
         backward_open: Callable[[], bool],
     ) -> None:
         self.units = units
         self.gatherer = gatherer
-        self.grads = grads
+        # The schedule's reducer as it is now: unfreezing parameters rebuilds it
+        # (``ShardedParams.adopt``).
+        self._grads = grads
         self.persistent_seg_ids = persistent_seg_ids
         self.trace = trace
         self._backward_open = backward_open
+
+    @property
+    def grads(self) -> ShardedGrads:
+        return self._grads()
 
     def can(self, op: Op, index: int) -> bool:
         if index >= len(self.units) or not self.units[index].segments:

@@ -150,7 +150,12 @@ class Schedule:
         self._handles: list[Any] = []
         # Collectives other ranks planned ([Note: merged plans]); the check holds it weakly.
         self._extras = ScheduleExtras(
-            units, gatherer, grads, persistent_seg_ids, trace, lambda: self._backward_open
+            units,
+            gatherer,
+            lambda: self.grads,
+            persistent_seg_ids,
+            trace,
+            lambda: self._backward_open,
         )
         check.extras = self._extras
 
