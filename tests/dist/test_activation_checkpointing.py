@@ -21,8 +21,8 @@ from zerotest import (
     assert_close,
     make_pair,
     rank_world,
-    reference_step,
     sgd_momentum,
+    synced_step,
 )
 
 import zerodp
@@ -66,11 +66,7 @@ def _config(
 def _train(pair, losses, steps: int, world: int, rank: int) -> float:
     worst = 0.0
     for step in range(steps):
-        loss = losses(step, world)
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, losses(step, world), world, rank)
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
     return worst
 
@@ -120,18 +116,10 @@ def _one_step_events(pair, world: int, rank: int) -> list[tuple[str, str]]:
     """One more step; the stage-3 unit events it traced."""
     sharded = pair.opt.engine.params
     if sharded is None:
-        loss = _gpt_loss(7, world)
-        reference_step(pair, loss, world)
-        loss(pair.model, rank).backward()
-        pair.opt.step()
-        pair.opt.zero_grad()
+        synced_step(pair, _gpt_loss(7, world), world, rank)
         return []
     sharded.trace.events = []
-    loss = _gpt_loss(7, world)
-    reference_step(pair, loss, world)
-    loss(pair.model, rank).backward()
-    pair.opt.step()
-    pair.opt.zero_grad()
+    synced_step(pair, _gpt_loss(7, world), world, rank)
     events, sharded.trace.events = sharded.trace.events, None
     return events
 

@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from stage3_models import Stack
-from zerotest import adamw_two_groups, assert_close, batches, make_pair, rank_world, reference_step
+from zerotest import (
+    adamw_two_groups,
+    assert_close,
+    batches,
+    make_pair,
+    rank_world,
+    reference_step,
+    synced_step,
+)
 
 import zerodp
 from zerodp import Stage3
@@ -49,10 +57,7 @@ def _step(pair, step: int, world: int, rank: int, odd: dict | None = None) -> No
         x, y = data[r]
         return F.mse_loss(m(x, **(odd if odd and r == world - 1 else {})), y)
 
-    reference_step(pair, loss, world)
-    loss(pair.model, rank).backward()
-    pair.opt.step()
-    pair.opt.zero_grad()
+    synced_step(pair, loss, world, rank)
 
 
 def _odd_step(pair, kind: str, world: int, rank: int) -> None:

@@ -1,4 +1,4 @@
-"""``gpt_saved_bytes`` ([Note: GPT activations] in memory/estimator.py) is what a training forward
+"""``gpt_saved_bytes`` ([Note: GPT activations] in memory/activations.py) is what a training forward
 of the shipped GPT leaves for its backward, to the byte: fp32 and bf16, with and without every
 block checkpointed, with the checkpoint offload, over shapes that vary every dimension."""
 

@@ -293,10 +293,9 @@ class Communicator:
 
     def all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's small ``tensor``, stacked: ``(world_size, *tensor.shape)``."""
-        self.ledger.record(
-            "all_gather", self.world_size * tensor.numel(), tensor.element_size(), CONTROL
-        )
-        return self._gather_rows(tensor)
+        handle, rows = self.all_gather_control_async(tensor)
+        handle.wait()
+        return rows
 
     def all_gather_control_async(self, tensor: torch.Tensor) -> tuple[Handle, torch.Tensor]:
         """``all_gather_control`` without waiting: the handle, and the rows it will fill."""

@@ -2,6 +2,7 @@
 model: bytes per tier and step time of a placement on a ``Machine`` (``tiers``, ``step_time``,
 ``fit``), with measurements of the host's constants (``measure``)."""
 
+from zerodp.memory.activations import activation_bytes, gpt_activation_bytes, gpt_saved_bytes
 from zerodp.memory.estimator import (
     GB,
     OPTIMIZER_STATE_BYTES,
@@ -12,18 +13,15 @@ from zerodp.memory.estimator import (
     MemoryEstimate,
     ModelStateBytes,
     Overheads,
-    activation_bytes,
     bytes_per_param,
     comm_buffer_bytes,
     count_parameters,
     dtype_bytes,
     estimate_memory,
     fits,
-    gpt_activation_bytes,
     gpt_block_params,
     gpt_largest_unit_params,
     gpt_param_count,
-    gpt_saved_bytes,
     model_state_bytes,
     optimizer_multiplier,
     recommend_stage,

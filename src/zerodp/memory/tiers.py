@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS
+from zerodp.memory.activations import gpt_activation_bytes
 from zerodp.memory.estimator import (
     GPTShape,
     comm_buffer_bytes,
     dtype_bytes,
-    gpt_activation_bytes,
     gpt_largest_unit_params,
     gpt_param_count,
     optimizer_multiplier,

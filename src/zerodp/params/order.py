@@ -62,6 +62,7 @@ from zerodp.params.order_story import (
     Op,
     divergence_message,
     first_difference,
+    reported_message,
 )
 from zerodp.params.replay import PLAN_SLOTS, WINDOW, CommittedRows, Entry, Replay
 
@@ -197,9 +198,7 @@ class OrderCheck:
         replay = self.replay
         if not self.error and replay.expects(entry):  # [Note: verified orders]
             self._check_rows(replay.position - WINDOW)
-            handle, rows = self.comm.all_gather_control_async(self._row(plan, False, True))
-            self._rows.add(replay.position, handle, rows)
-            self.committed += 1
+            self._commit(replay.position, plan)
             return self._agreed(entry)
         self._check_rows(replay.position)  # every older row, before exchanging blocking
         plans, head = self._exchange(plan, blocked)
@@ -272,6 +271,12 @@ class OrderCheck:
         head += [self.backwards, len(part), int(committed)]
         return torch.tensor(head + _slots(part[:PLAN_SLOTS]), dtype=torch.int64, device=self.device)
 
+    def _commit(self, position: int, plan: list[Item]) -> None:
+        """Send this rank's row for ``position`` without waiting; checked later."""
+        handle, rows = self.comm.all_gather_control_async(self._row(plan, False, True))
+        self._rows.add(position, handle, rows)
+        self.committed += 1
+
     def _exchange(
         self, plan: list[Item], blocked: bool
     ) -> tuple[list[list[Item]], list[list[int]]]:
@@ -311,10 +316,7 @@ class OrderCheck:
         error, self.error = self.error, ""
         markers = [Op(row[1]) for row in head]
         if flagged:  # this rank's own text only where its row carried it
-            said = error if self.comm.rank in flagged else ""
-            message = (
-                f"zerodp stage 3: rank(s) {flagged} reported: {said or 'an error (see that rank)'}"
-            )
+            message = reported_message(flagged, error if self.comm.rank in flagged else "")
         elif len(set(markers)) > 1 and (
             Op.NOTHING not in markers or all(p == plans[0] for p in plans)
         ):  # as ``_check_head`` tells it: what each rank started
@@ -337,10 +339,7 @@ class OrderCheck:
                 entry = replay.predicted(p)
                 assert entry is not None
                 if p > position or not stand_in:
-                    handle, rows = self.comm.all_gather_control_async(
-                        self._row(list(entry[1]), False, True)
-                    )
-                    self._rows.add(p, handle, rows)
+                    self._commit(p, list(entry[1]))
                 for op, i in entry[1]:
                     self.extras.stand_in(op, i)
             self._rows.drain()
@@ -355,9 +354,7 @@ class OrderCheck:
         if flagged:
             error, self.error = self.error, ""
             self.replay.off()
-            raise RuntimeError(
-                f"zerodp stage 3: rank(s) {flagged} reported: {error or 'an error (see that rank)'}"
-            )
+            raise RuntimeError(reported_message(flagged, error))
         self._positions = [row[2] for row in rows]
         # Where every rank starts some work and the kinds differ (one evaluates while another
         # trains), that is the story.

@@ -84,6 +84,12 @@ def divergence_message(
     return f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
 
 
+def reported_message(flagged: list[int], text: str) -> str:
+    """The error every rank raises when ranks ``flagged`` found a problem of their own
+    (``text``: this rank's, where it is one of them)."""
+    return f"zerodp stage 3: rank(s) {flagged} reported: {text or 'an error (see that rank)'}"
+
+
 def describe(op: Op, index: int, labels: list[str]) -> str:
     if op in _UNLABELLED:
         return _VERBS[op]

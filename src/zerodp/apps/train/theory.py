@@ -138,7 +138,7 @@ def activations_theory(
     gpt: GPTConfig, batch: int, dtype_bytes: int, activations: Activations
 ) -> float:
     """Activations one forward of the shipped GPT leaves on the device per rank, to the byte
-    ([Note: GPT activations] in memory/estimator.py), with the run's checkpointing and
+    ([Note: GPT activations] in memory/activations.py), with the run's checkpointing and
     checkpoint offload."""
     shape = GPTShape(
         layers=gpt.n_layer,
