@@ -21,5 +21,6 @@ PUBLIC_API = (
     "zerodp.comm.launch",  # starting local ranks with torch's elastic launcher, @record
     "zerodp.config",  # ZeroConfig, its policies, the choices of their fields (STAGES, ...)
     "zerodp.memory",  # the theoretical per-rank memory estimator (pure math)
+    "zerodp.tensor_parallel",  # Megatron-style layers over the TP group of a DP x TP mesh
 )
 """The library modules the applications may import from (only the names in their ``__all__``)."""

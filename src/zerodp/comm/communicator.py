@@ -30,6 +30,8 @@ DEFAULT_WATCHDOG_S = 300.0
 
 log = logging.getLogger(__name__)
 
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
 
 class Handle:
     """In-flight collective(s), plus a local action to run once they finished (e.g. copying a
@@ -193,13 +195,17 @@ class Communicator:
 
     # With one rank every collective is the identity: skip the call and record no traffic.
 
-    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False
+    ) -> Handle:
         if self.world_size == 1:
             return Handle(None)
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), MODEL)
-        group = self.group
+        group, reduce_op = self.group, _OPS[op]
         return self._run(
-            "all_reduce", lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op
+            "all_reduce",
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
+            async_op,
         )
 
     def reduce_scatter(
@@ -280,14 +286,13 @@ class Communicator:
 
     def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """A small all-reduce whose result every rank uses to take the same decision."""
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), CONTROL)
         if self.world_size == 1:
             return
-        group = self.group
+        group, reduce_op = self.group, _OPS[op]
         self._run(
             "all_reduce",
-            lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=True),
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
             False,
         )
 

@@ -27,6 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerodp.tensor_parallel import (
+    TensorParallel,
+    copy_to,
+    gather_from,
+    vocab_parallel_cross_entropy,
+)
+
 INIT_STD = 0.02
 """Standard deviation of the GPT-2 normal initialisation of weights and embeddings."""
 
@@ -143,6 +150,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         # One fused projection for q, k and v: one matmul instead of three, one parameter tensor.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -156,17 +164,17 @@ class CausalSelfAttention(nn.Module):
         _init_linear(self.c_proj, config.residual_std, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        # [B, T, C] -> [B, H, T, C/H]
-        head_dim = width // self.n_head
-        q = q.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
+        batch, seq, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # [B, T, C] -> [B, H, T, C/H]. Heads counted from the width (-1): split over a
+        # tensor-parallel group, this rank computes only its n_head / TP heads.
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(batch, seq, width)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -225,6 +233,9 @@ class GPT(nn.Module):
         including ``meta``) and initialise it with :meth:`init_weights`."""
         super().__init__()
         self.config = config
+        # Set by tensor_parallel_gpt (gpt_tp.py): the head then computes this rank's vocabulary
+        # columns and the loss is vocabulary-parallel.
+        self.tensor_parallel: TensorParallel | None = None
         device = torch.empty(0).device
         # Build the layers on meta first so that PyTorch's per-layer default init (which would
         # consume RNG and then be overwritten) never runs: the only randomness the constructor
@@ -271,7 +282,11 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, T, vocab]`` for token ids ``idx [B, T]``, and the mean next-token
-        cross-entropy against ``targets [B, T]`` when given (entries of -1 are ignored)."""
+        cross-entropy against ``targets [B, T]`` when given (entries of -1 are ignored).
+
+        Split over a tensor-parallel group (``tensor_parallel_gpt``), the logits returned with
+        a loss are this rank's vocabulary columns ``[B, T, vocab / TP]`` (the full logits never
+        exist); without targets they are gathered whole (generation)."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of length {seq} exceeds seq_len={self.config.seq_len}")
@@ -279,6 +294,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
+        if self.tensor_parallel is not None:
+            return _split_head(self.ln_f(x), self.head_weight(), targets, self.tensor_parallel)
         logits = F.linear(self.ln_f(x), self.head_weight())
         if targets is None:
             return logits, None
@@ -288,6 +305,18 @@ class GPT(nn.Module):
             logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
         )
         return logits, loss
+
+
+def _split_head(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None, tp: TensorParallel
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = F.linear(copy_to(h, tp), weight)  # this rank's vocabulary columns
+    if targets is None:
+        return gather_from(logits, tp), None
+    loss = vocab_parallel_cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.reshape(-1), tp, ignore_index=-1
+    )
+    return logits, loss
 
 
 def num_parameters(model: nn.Module) -> int:
