@@ -42,6 +42,7 @@ from zerodp.offload.refuse import refuse_adoption
 from zerodp.optim import misuse
 from zerodp.optim.adoption import examine_added_group, replicate_frozen, take_unfrozen
 from zerodp.optim.agreement import KeptGrads, StepFlags, agree_on_step
+from zerodp.optim.clip import norm_scope
 from zerodp.optim.compute_dtype import Cast, make_cast
 from zerodp.optim.loss_policy import LossPolicy, make_loss_policy
 from zerodp.optim.loss_scaler import StepInfo
@@ -96,6 +97,7 @@ class ZeroEngine:
         if self.plan.offload_optimizer != "none":
             bound_host_allocator()  # before the shards are built: [Note: host allocator]
         self.comm = Communicator(process_group, CommLedger(), config.watchdog_s)
+        self.norm_scope = norm_scope(self.comm, model)  # [Note: norms under tensor parallelism]
         self.model = model
         named = _unique_named_parameters(model)
         trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -299,7 +301,9 @@ class ZeroEngine:
         # [Note: step agreement] in optim/agreement.py: one small all-reduce of flags.
         has_grad = self.kept_grads.has_grad(self.reducer.used)  # [Note: kept gradients]
         mine = StepFlags(nonfinite, self.loss.nonfinite_loss(), backward)
-        used, flags = agree_on_step(self.comm, has_grad, self.segments, self.frozen, mine)
+        used, flags = agree_on_step(
+            self.comm, has_grad, self.segments, self.frozen, mine, self.norm_scope.tp
+        )
         self._used, self._flags = used, flags
         self._skip = self.loss.skips(flags)
         self.runner.bind(used)
@@ -398,7 +402,7 @@ class ZeroEngine:
         self.comm.progress.enter("gradient clipping")
         self.finish_gradients()
         norm = self.runner.clip(
-            self.reducer, self._inv_scale(), self._used, max_norm, norm_type, self.comm
+            self.reducer, self._inv_scale(), self._used, max_norm, norm_type, self.norm_scope
         )
         self._grad_norm = float(norm)
         return norm

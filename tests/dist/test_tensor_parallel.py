@@ -112,25 +112,30 @@ def _pair(stage: int, shape: GPTConfig = SHAPE, **kw: Any) -> tuple[nn.Module, A
     return model, opt, ref
 
 
-def case_parity(stage: int, tied: bool) -> dict[str, Any]:
-    """Three SGD-momentum steps: parity with the full GPT, the TP ledger, the logits' shape."""
+def case_parity(stage: int, tied: bool, clip: float | None = None) -> dict[str, Any]:
+    """Three SGD-momentum steps: parity with the full GPT, the TP ledger, the logits' shape;
+    with ``clip``, both clipped to that norm ([Note: norms under tensor parallelism])."""
     dp = _mesh()["dp"].get_local_rank()
     shape = SHAPE if tied else GPTConfig(**{**SHAPE.__dict__, "tie_embeddings": False})
     model, opt, ref = _pair(stage, shape)
     ref_opt = _sgd(ref)
     tp = _tp()
-    errors, losses = [], []
+    errors, losses, norms = [], [], []
     for step in range(3):
         ids, targets = _batch(step)
         _, ref_loss = ref(ids, targets)
         assert ref_loss is not None
         ref_loss.backward()
+        if clip is not None:
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()
         ref_opt.step()
         ref_opt.zero_grad()
         tp.ledger.end_step()
         logits, loss = model(_rows(ids, dp), _rows(targets, dp))
         assert loss is not None
         loss.backward()
+        if clip is not None:
+            norms.append((opt.clip_grad_norm_(clip).item(), want))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -138,6 +143,7 @@ def case_parity(stage: int, tied: bool) -> dict[str, Any]:
     traffic = tp.ledger.end_step()
     return {
         "errors": errors,
+        "norms": norms,
         "losses": losses,
         "logits": tuple(logits.shape),
         "tp_elements": traffic.elements,
@@ -164,7 +170,178 @@ def test_gpt_dp2_tp2_matches_the_full_gpt(world, stage):
     assert out[0]["tp_elements"] == {"all_reduce": want}, out[0]["tp_elements"]
 
 
+CLIP = 0.5  # below the norms of these steps (about 1.5): every step is clipped
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_clipping_spans_dp_and_tp(world, stage):
+    """The norm of the whole model, each whole parameter once: the reference's, on every rank;
+    parity (and whole parameters identical across TP) after clipped steps."""
+    out = world(DP * TP).run(case_parity, stage, True, CLIP, timeout=TIMEOUT)
+    for rank, o in enumerate(out):
+        assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
+        for got, want in o["norms"]:
+            assert want > CLIP, "the step was not clipped"
+            assert abs(got - want) <= 1e-5 * want, (rank, got, want)
+
+
 def test_untied_head_stage3(world):
     out = world(DP * TP).run(case_parity, 3, False, timeout=TIMEOUT)
     for rank, o in enumerate(out):
         assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
+
+
+# -- checkpoints ([Note: tensor-parallel checkpoints] in checkpoint/tensor_parallel.py) -----------
+
+
+def _step(model: nn.Module, opt: Any, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    _, loss = model(ids, targets)
+    assert loss is not None
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _ref_steps(ref: nn.Module, ref_opt: Any, steps: range) -> None:
+    for step in steps:
+        _step(ref, ref_opt, *_batch(step))
+
+
+def case_checkpoints(root: str) -> dict[str, Any]:
+    """DP 2 x TP 2 at stage 2 saves after two steps; each TP pair, as DP 1 x TP 2 at stage 3,
+    loads it, matches the saved slices bit for bit, and its next step (the whole global batch
+    on one DP rank) matches the full GPT's third step; rank 0 consolidates the full model; a
+    full state_dict loads into a split model."""
+    dp, rank = _mesh()["dp"].get_local_rank(), dist.get_rank()
+    model, opt, ref = _pair(2)
+    ref_opt = _sgd(ref)
+    for step in range(2):
+        ids, targets = _batch(step)
+        _step(model, opt, _rows(ids, dp), _rows(targets, dp))
+    _ref_steps(ref, ref_opt, range(2))
+    path = zerodp.save_checkpoint(root, model, opt)
+    saved = joined(model)
+    # One DP group per rank: each TP pair {0, 1} and {2, 3} is a whole DP 1 x TP 2 run.
+    alone = [dist.new_group([r]) for r in range(DP * TP)][rank]
+    torch.manual_seed(7)  # other weights: the load must replace all of them
+    small = tensor_parallel_gpt(GPT(SHAPE), _tp())
+    small, small_opt = zerodp.initialize(small, _sgd(small), _config(3), process_group=alone)
+    zerodp.load_checkpoint(root, small, small_opt)
+    loaded = joined(small)
+    same = all(torch.equal(loaded[n], saved[n]) for n in saved)
+    _step(small, small_opt, *_batch(2))
+    _ref_steps(ref, ref_opt, range(2, 3))
+    out: dict[str, Any] = {"path": str(path), "same": same, "error": max_error(joined(small), ref)}
+    # Full weights (pretrained, say) into a split model: each rank keeps its slices.
+    torch.manual_seed(9)
+    fresh = tensor_parallel_gpt(GPT(SHAPE), _tp())
+    fresh, fresh_opt = zerodp.initialize(fresh, _sgd(fresh), _config(3), _mesh()["dp"])
+    zerodp.load_model_state_dict(fresh, fresh_opt, ref.state_dict())
+    now = joined(fresh)
+    out["pretrained"] = all(torch.equal(now[n], q) for n, q in ref.named_parameters())
+    if rank == 0:
+        full_file = f"{root}/full.safetensors"
+        zerodp.consolidate_checkpoint(root, full_file)
+        from safetensors.torch import load_file
+
+        consolidated = load_file(full_file)
+        out["consolidated"] = sorted(n for n in saved if torch.equal(consolidated[n], saved[n]))
+        out["keys"] = sorted(consolidated)
+    return out
+
+
+def test_checkpoints_reshard_over_dp_and_consolidate(world, tmp_path):
+    out = world(DP * TP).run(case_checkpoints, str(tmp_path), timeout=TIMEOUT)
+    for rank, o in enumerate(out):
+        assert o["path"] == str(tmp_path / f"tp{rank % TP}" / "step-00000002"), o["path"]
+        assert o["same"], f"rank {rank}: the loaded slices are not the saved ones"
+        assert o["error"] <= TOL_TP, (rank, o["error"])
+        assert o["pretrained"], f"rank {rank}: the full state_dict was not sliced"
+    torch.manual_seed(0)
+    names = sorted(n for n, _ in GPT(SHAPE).named_parameters())
+    assert out[0]["keys"] == names
+    assert out[0]["consolidated"] == names  # every tensor the saved full one, bit for bit
+
+
+# -- misuse ----------------------------------------------------------------------------------------
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except (ValueError, zerodp.CheckpointError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def case_misuse(root: str) -> list[str]:
+    """Each misuse raises naming the problem and the fix, before the model changes."""
+    from zerodp.tensor_parallel import Colwise, parallelize
+
+    tp = _tp()
+    torch.manual_seed(0)
+    gpt = GPT(SHAPE)
+    before = {n: p.clone() for n, p in gpt.state_dict().items()}
+    errors = [
+        _error(
+            lambda: parallelize(
+                gpt, tp, {"blocks.*.attn.c_attn": Colwise(chunks=3), "blocks.*.mlp.fc": Colwise()}
+            )
+        ),
+        _error(lambda: parallelize(gpt, tp, {"wte": Colwise()})),
+        _error(lambda: tensor_parallel_gpt(GPT(GPTConfig(64, 16, 1, 3, 48)), tp)),
+        _error(lambda: tensor_parallel_gpt(GPT(GPTConfig(64, 16, 1, 4, 32, dropout=0.1)), tp)),
+    ]
+    unchanged = all(torch.equal(before[n], t) for n, t in gpt.state_dict().items())
+    errors.append(f"unchanged: {unchanged}")
+    model, opt, _ = _pair(1)
+    errors.append(_error(lambda: tensor_parallel_gpt(model, tp)))
+    zerodp.save_checkpoint(root, model, opt)
+    torch.manual_seed(0)
+    plain = GPT(SHAPE)
+    plain, plain_opt = zerodp.initialize(plain, _sgd(plain), _config(1))
+    errors.append(_error(lambda: tensor_parallel_gpt(plain, tp)))
+    errors.append(_error(lambda: zerodp.load_checkpoint(root, plain, plain_opt)))
+    alone = [dist.new_group([r]) for r in range(DP * TP)][dist.get_rank()]
+    torch.manual_seed(0)
+    one = tensor_parallel_gpt(GPT(SHAPE), TensorParallel(alone))  # "split" one way
+    one, one_opt = zerodp.initialize(one, _sgd(one), _config(1), process_group=alone)
+    errors.append(_error(lambda: zerodp.load_checkpoint(root, one, one_opt)))
+    return errors
+
+
+def test_misuse_is_refused(world, tmp_path):
+    out = world(DP * TP).run(case_misuse, str(tmp_path), timeout=TIMEOUT)
+    errors = out[0]
+    assert errors[0].startswith(
+        "ValueError: the tensor-parallel plan names 'blocks.*.mlp.fc', which matches no module "
+        "of GPT (its modules include ['wte', "
+    ), errors[0]
+    assert errors[1] == "ValueError: Colwise splits an nn.Linear; wte is of class Embedding", (
+        errors[1]
+    )
+    assert errors[2] == "ValueError: n_head=3 cannot be split over 2 tensor-parallel ranks"
+    assert errors[3] == (
+        "ValueError: tensor parallelism of the shipped GPT runs without dropout (dropout=0.1); "
+        "set GPTConfig.dropout=0"
+    )
+    assert errors[4] == "unchanged: True"
+    assert errors[5] == "ValueError: the model is split over a tensor-parallel group already"
+    assert errors[6] == (
+        "ValueError: parallelize the model before zerodp.initialize: zerodp shards the "
+        "tensor-parallel slices over the data-parallel group, not the other way round"
+    )
+    assert errors[7] == (
+        f"CheckpointError: cannot load checkpoint {tmp_path}; nothing was changed:\n  every rank: "
+        f"{tmp_path} holds the checkpoints of a model split over a tensor-parallel group (tp0/, "
+        "tp1/, ...) and this model is not split: parallelize it the same way, or consolidate "
+        "the checkpoint (zerodp.consolidate_checkpoint) and load the full state_dict"
+    ), errors[7]
+    assert errors[8] == (
+        f"CheckpointError: cannot load checkpoint {tmp_path}; nothing was changed:\n  every "
+        "rank: the checkpoint was saved at tensor-parallel size 2, the model is split 1 ways: "
+        "consolidate it (zerodp.consolidate_checkpoint), then load the full state_dict into the "
+        "newly split model (load_model_state_dict)"
+    ), errors[8]
+    for rank, o in enumerate(out[1:], 1):  # the paths in the messages are the same root
+        assert o == errors, (rank, o)

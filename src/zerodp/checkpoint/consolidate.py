@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,13 @@ from zerodp.checkpoint.manifest import (
     plan_reads,
     read_manifest,
     sources_by_name,
+)
+from zerodp.checkpoint.tensor_parallel import (
+    check_tp_parts,
+    full_shape,
+    joined,
+    split_of,
+    tp_roots,
 )
 from zerodp.checkpoint.tensorfile import (
     ShardReader,
@@ -66,8 +74,51 @@ def consolidate_checkpoint(
     dtype) casts every floating-point tensor. ``verify`` checks the SHA-256 of every file,
     the manifest's first (``verify=False``: salvage what a damaged checkpoint still holds).
     The output appears atomically (written to a temporary name, then renamed). ``progress``
-    is called with (bytes written so far, bytes in all) after each tensor."""
-    path = fs.resolve(checkpoint)
+    is called with (bytes written so far, bytes in all) after each tensor. The root of a model
+    split over a tensor-parallel group (``tp0/``, ``tp1/``, ...) gives the full model, every
+    rank's slices joined ([Note: tensor-parallel checkpoints])."""
+    root = Path(checkpoint)
+    parts = tp_roots(root)  # [Note: tensor-parallel checkpoints]
+    paths = [fs.resolve(p) for p in parts] if parts else [fs.resolve(root)]
+    manifests = [_opened(path, verify) for path in paths]
+    if parts is not None:
+        problems = check_tp_parts(manifests)
+        if problems:
+            raise CheckpointError(f"cannot consolidate {root}:\n  " + "\n  ".join(problems))
+    m = manifests[0]
+    cast = _parse_dtype(dtype)
+    specs = [_spec(m, key, kind, target, cast, len(paths)) for key, kind, target in m.state_dict]
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. a new Hugging Face model directory
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
+    sources = [sources_by_name(mi) for mi in manifests]
+    metadata = {"format": "pt", "zerodp_step": str(m.step)}
+    total, done = sum(spec.nbytes for spec in specs), 0
+    try:
+        with TensorFileWriter(tmp, specs, metadata) as writer, ExitStack() as stack:
+            readers = [stack.enter_context(ShardReader(path)) for path in paths]
+            for spec, (_, kind, target) in zip(specs, m.state_dict, strict=True):
+                split = split_of(m, target) if kind == "param" else None
+                ranks = range(len(paths)) if split is not None else range(1)
+                ts = [_assemble(manifests[r], sources[r], readers[r], kind, target) for r in ranks]
+                for reader in readers:  # unmap the shards: their pages must not pile up in RSS
+                    reader.close()
+                t = joined(ts, split, _saved_shape(m, kind, target))
+                writer.write(spec.key, t.to(spec.dtype).reshape(spec.shape))
+                del t, ts
+                done += spec.nbytes
+                if progress is not None:
+                    progress(done, total)
+            info = writer.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    where = root if parts is not None else paths[0]
+    return ConsolidateResult(out, where, m.step, len(specs), info.size, info.sha256)
+
+
+def _opened(path: Path, verify: bool) -> Manifest:
+    """The manifest of the checkpoint at ``path``, checked (and its files, with ``verify``)."""
     try:
         m = read_verified_manifest(path, "consolidate") if verify else read_manifest(path)
     except CheckpointError as exc:
@@ -78,29 +129,15 @@ def consolidate_checkpoint(
     problems = [p for p in problems if p]
     if problems:
         raise CheckpointError(f"cannot consolidate {path}:\n  " + "\n  ".join(problems))
-    cast = _parse_dtype(dtype)
-    specs = [_spec(m, key, kind, target, cast) for key, kind, target in m.state_dict]
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. a new Hugging Face model directory
-    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
-    sources = sources_by_name(m)
-    metadata = {"format": "pt", "zerodp_step": str(m.step)}
-    total, done = sum(spec.nbytes for spec in specs), 0
-    try:
-        with TensorFileWriter(tmp, specs, metadata) as writer, ShardReader(path) as reader:
-            for spec, (_, kind, target) in zip(specs, m.state_dict, strict=True):
-                t = _assemble(m, sources, reader, kind, target)
-                reader.close()  # unmap the shards: their pages must not pile up in our RSS
-                writer.write(spec.key, t.to(spec.dtype).view(spec.shape))
-                del t
-                done += spec.nbytes
-                if progress is not None:
-                    progress(done, total)
-            info = writer.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return ConsolidateResult(out, path, m.step, len(specs), info.size, info.sha256)
+    return m
+
+
+def _saved_shape(m: Manifest, kind: str, target: str) -> tuple[int, ...]:
+    if kind == "buffer":
+        return next(b.shape for b in m.buffers if b.name == target)
+    rec = m.param(target)
+    assert rec is not None
+    return rec.shape
 
 
 def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -111,11 +148,14 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a torch.dtype; got {dtype!r}")
 
 
-def _spec(m: Manifest, key: str, kind: str, target: str, cast: torch.dtype | None) -> TensorSpec:
+def _spec(
+    m: Manifest, key: str, kind: str, target: str, cast: torch.dtype | None, tp_size: int
+) -> TensorSpec:
     if kind == "param":
         rec = m.param(target)
         assert rec is not None, target
-        shape, saved = rec.shape, dtype_from_name(rec.master_dtype)
+        shape = full_shape(rec.shape, split_of(m, target), tp_size)
+        saved = dtype_from_name(rec.master_dtype)
     else:
         buf = next(b for b in m.buffers if b.name == target)
         shape, saved = buf.shape, dtype_from_name(buf.dtype)

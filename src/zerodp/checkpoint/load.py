@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.checkpoint import directory as fs
 from zerodp.checkpoint import rng
 from zerodp.checkpoint.checks import check_manifest, compare_structure
 from zerodp.checkpoint.common import (
@@ -44,6 +43,7 @@ from zerodp.checkpoint.manifest import (
     sources_by_name,
     state_key,
 )
+from zerodp.checkpoint.tensor_parallel import resolve_for, sliced, tp_problems
 from zerodp.checkpoint.tensorfile import ShardReader, dtype_from_name
 from zerodp.optim.pieces import OptimPiece
 from zerodp.params.access import ShardedParameter
@@ -102,7 +102,7 @@ def _validate(
     allow_reshard: bool,
     optimized: set[str],
 ) -> _Plan:
-    path = fs.resolve(directory)
+    path = resolve_for(directory, model)  # [Note: tensor-parallel checkpoints]
     m = read_verified_manifest(path)  # every rank: nothing of an edited manifest is used
     world, stage = state.comm.world_size, state.stage
     problems = []
@@ -113,6 +113,9 @@ def _validate(
         )
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape)) for n, b in model.named_buffers()]
+    problems += tp_problems(m, model)
+    if problems:  # other slices: every shape would differ too
+        _raise_problems(problems)
     problems += compare_structure(m, params, buffers)
     problems += _optimizer_problems(m, state)
     if problems:  # the rest assumes the structure matches
@@ -293,6 +296,7 @@ def load_model_state_dict(
     weight may appear under any of its names. Errors are raised on every rank, before any
     change."""
     state = state_of(model, opt)
+    state_dict = sliced(model, state_dict)  # full weights into a tensor-parallel model
     found, error = attempt(lambda: _match_state_dict(model, state_dict, strict))
     with state.comm.untracked():
         raise_if_any(state.comm.all_gather_object(error), "load_model_state_dict failed:")

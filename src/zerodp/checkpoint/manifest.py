@@ -189,6 +189,9 @@ class Manifest:
     counters: dict[str, int] = field(default_factory=dict)  # other engine counters
     versions: dict[str, str] = field(default_factory=dict)
     checksums: str | None = None  # the checksum file covering this manifest; None: older save
+    # A model split over a tensor-parallel group: {"rank", "size", "splits": {name: [dim,
+    # chunks]}} ([Note: tensor-parallel checkpoints] in tensor_parallel.py); None: not split.
+    tensor_parallel: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         d = {
@@ -210,6 +213,8 @@ class Manifest:
         }
         if self.checksums is not None:
             d["checksums"] = self.checksums
+        if self.tensor_parallel is not None:
+            d["tensor_parallel"] = self.tensor_parallel
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -236,6 +241,7 @@ class Manifest:
             counters=d.get("counters", {}),
             versions=d.get("versions", {}),
             checksums=d.get("checksums"),
+            tensor_parallel=d.get("tensor_parallel"),
         )
 
     def param(self, name: str) -> ParamRecord | None:

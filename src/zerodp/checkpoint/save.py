@@ -50,6 +50,7 @@ from zerodp.checkpoint.manifest import (
     split_range,
     state_key,
 )
+from zerodp.checkpoint.tensor_parallel import tp_record, tp_root
 from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
 from zerodp.comm import Communicator
 from zerodp.optim.pieces import OptimPiece
@@ -86,7 +87,7 @@ def save_checkpoint(
     ([Note: one data-parallel group per root])."""
     state = state_of(model, opt)
     comm = state.comm
-    root = Path(directory)
+    root = tp_root(directory, model)  # [Note: tensor-parallel checkpoints]
     name = fs.step_dir_name(state.counters.steps)
     header = f"save_checkpoint({root}) failed; earlier checkpoints are untouched:"
     # NVMe: the optimizer's tensors are read into memory while they are written out.
@@ -287,6 +288,7 @@ def _finish(
         counters=state.counters.saved(),
         versions=_versions(),
         checksums=CHECKSUMS,
+        tensor_parallel=tp_record(model),
     )
     # Bytes, hashed as written: the digest is of exactly what is on disk (no newline
     # translation), and the checksum file covering the manifest comes last ([Note: checkpoint

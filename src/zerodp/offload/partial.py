@@ -35,9 +35,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from zerodp.comm import Communicator
 from zerodp.memory.report import optimizer_bytes
 from zerodp.offload.runner import OffloadStep
+from zerodp.optim.clip import NormScope
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.optim.runner import StepRunner, make_runner
@@ -108,9 +108,9 @@ class PartialStep:
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
-        return self.host.clip(grads, inv_scale, used, max_norm, norm_type, comm)
+        return self.host.clip(grads, inv_scale, used, max_norm, norm_type, scope)
 
     def pending_factors(self) -> list[torch.Tensor]:
         return self.host.device.pending_factors()

@@ -51,7 +51,6 @@ from functools import partial
 
 import torch
 
-from zerodp.comm import Communicator
 from zerodp.offload.chunks import HostChunk, host_chunks
 from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.home import ShardHome
@@ -59,6 +58,7 @@ from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
 from zerodp.offload.swap import SwapStore
+from zerodp.optim.clip import NormScope
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.optim.runner import StepCheck
@@ -142,9 +142,9 @@ class OffloadStep:
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
-        return self.device.clip(grads, inv_scale, used, max_norm, norm_type, comm)
+        return self.device.clip(grads, inv_scale, used, max_norm, norm_type, scope)
 
     def pending_factors(self) -> list[torch.Tensor]:
         return []  # the host step applies the device runner's

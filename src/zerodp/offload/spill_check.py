@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.comm import Communicator
 from zerodp.offload.grad_spill import GradSpill
-from zerodp.optim.clip import clip_coefficient, combine_norms
+from zerodp.optim.clip import NormScope, clip_coefficient, combine_norms
 from zerodp.optim.masters import ReducedGrads
 
 
@@ -37,7 +36,7 @@ class SpillCheck:
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
         """The global norm of the unscaled, already clipped gradients: a run's unused
         parameters hold zeros (the reduction's fill), which add nothing to any norm."""
@@ -45,7 +44,7 @@ class SpillCheck:
         if norm_type <= 0:
             raise ValueError(f"norm_type must be positive or inf; got {norm_type}")
         norms = [n.to(self.device) for n in self.spill.norms(norm_type)]
-        total = combine_norms(norms, norm_type, comm, sharded=True, device=self.device)
+        total = combine_norms(norms, None, norm_type, scope, sharded=True, device=self.device)
         if inv_scale != 1.0:  # a power of two: exact
             total = total * inv_scale
         for f in self.factors:

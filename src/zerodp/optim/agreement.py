@@ -60,9 +60,12 @@ def agree_on_step(
     segments: list[Segment],
     frozen: list[tuple[str, nn.Parameter]],
     mine: StepFlags,
+    tp: Communicator | None = None,
 ) -> tuple[list[list[bool]], StepFlags]:
     """(per segment, per parameter: some rank produced a gradient; each flag: on some rank).
-    Raises on every rank if any rank has an unreduced gradient of a frozen parameter."""
+    Raises on every rank if any rank has an unreduced gradient of a frozen parameter. ``tp``:
+    the tensor-parallel group of a split model, whose ranks must skip (a non-finite gradient on
+    one TP rank's slice) or raise together too."""
     flags = [u for seg in used for u in seg]
     # requires_grad and its complement: both 1 after the MAX = frozen on some ranks only.
     trainable = [p.requires_grad for seg in segments for p in seg.params]
@@ -71,6 +74,8 @@ def agree_on_step(
     t = torch.tensor([*flags, *trainable, *(not b for b in trainable), *tail], dtype=torch.uint8)
     t = t.to(segments[0].device if segments else "cpu")
     comm.all_reduce_control(t, op="max")
+    if tp is not None:
+        tp.all_reduce_control(t, op="max")
     bits = t.tolist()
     n = len(flags)
     split = next((i for i in range(n) if bits[n + i] and bits[2 * n + i]), None)

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerodp.comm import Communicator
-from zerodp.optim.clip import clip_coefficient, combine_norms
+from zerodp.optim.clip import NormScope, clip_coefficient, combine_norms
 from zerodp.optim.masters import ReducedGrads
 from zerodp.optim.pieces import OptimPiece
 from zerodp.partition.segment import Segment
@@ -124,7 +123,7 @@ class ChunkedGrads:
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
         """``clip_grad_norm`` over the used pieces' fp32 gradients; the coefficient is applied
         whenever a chunk is filled from now until the end of the step."""
@@ -140,9 +139,14 @@ class ChunkedGrads:
             views = [buf.narrow(0, off, n) for _, off, n in mine]
             for (k, _, _), norm in zip(mine, torch._foreach_norm(views, norm_type), strict=True):
                 norms[k] = norm
-        local = [n for n in norms if n is not None]
+        local = [(n, self.pieces[k].name) for k, n in enumerate(norms) if n is not None]
         total = combine_norms(
-            local, norm_type, comm, sharded=self.sharded, device=self.scratch.device
+            [n for n, _ in local],
+            [name for _, name in local],
+            norm_type,
+            scope,
+            sharded=self.sharded,
+            device=self.scratch.device,
         )
         self.coefs.append(clip_coefficient(total, max_norm))
         return total

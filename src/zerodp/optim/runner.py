@@ -18,9 +18,8 @@ from typing import Protocol
 
 import torch
 
-from zerodp.comm import Communicator
 from zerodp.optim.chunked import ChunkedGrads
-from zerodp.optim.clip import clip_grad_norm
+from zerodp.optim.clip import NormScope, clip_grad_norm
 from zerodp.optim.finite import FiniteCheck
 from zerodp.optim.masters import ReducedGrads
 from zerodp.optim.pieces import OptimPiece
@@ -41,7 +40,7 @@ class StepCheck(Protocol):
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
         """``clip_grad_norm_`` over the owned gradients: the global norm, applied to this
         step's gradients."""
@@ -132,11 +131,17 @@ class WholeStep:
         used: list[list[bool]],
         max_norm: float,
         norm_type: float,
-        comm: Communicator,
+        scope: NormScope,
     ) -> torch.Tensor:
-        bound = [op.grad for op in self.pieces if used[op.seg][op.slot]]  # what ``bind`` binds
+        bound = [op for op in self.pieces if used[op.seg][op.slot]]  # what ``bind`` binds
         return clip_grad_norm(
-            bound, max_norm, norm_type, comm, sharded=self.sharded, device=self.device
+            [op.grad for op in bound],
+            [op.name for op in bound],
+            max_norm,
+            norm_type,
+            scope,
+            sharded=self.sharded,
+            device=self.device,
         )
 
     def pending_factors(self) -> list[torch.Tensor]:

@@ -127,7 +127,7 @@ def _check(name: str, module: nn.Module, style: Style, size: int) -> None:
     kind = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
     if not isinstance(module, kind):
         raise ValueError(
-            f"{type(style).__name__} splits an nn.{kind.__name__}; {name} is a "
+            f"{type(style).__name__} splits an nn.{kind.__name__}; {name} is of class "
             f"{type(module).__name__}"
         )
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
