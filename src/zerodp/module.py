@@ -157,7 +157,18 @@ def _waiting(method: Any) -> Any:
 # passes no ``synced_gpus`` and more than one rank holds the model, and holds the root unit
 # gathered for the call ([Note: inference] in params/hooks.py). Inside ``full_parameters`` over
 # the whole model nothing is gathered in forward, so it adds nothing: generation on some ranks
-# only works there. Stages 0-2 need neither: their eval forwards issue no collective.
+# only works there. Stages 0-2 need neither: their eval forwards issue no collective. A model
+# split over a tensor-parallel group ([Note: tensor parallelism]) gives the same prompt to the
+# ranks of that group, which then run the same forwards: synced_gpus over the default group is
+# right when DP x TP is the whole world.
+
+
+def _held_by_world(engine: ZeroEngine) -> bool:
+    """Whether every rank of the default group holds this model: its DP group, or its DP group
+    times its tensor-parallel group (whose ranks always run the same forwards)."""
+    tp = engine.norm_scope.tp
+    holders = engine.comm.world_size * (tp.world_size if tp is not None else 1)
+    return holders == engine.comm.default_world_size
 
 
 def _generate_method(cls: type) -> dict[str, Any]:
@@ -174,11 +185,12 @@ def _generate_method(cls: type) -> dict[str, Any]:
         if sharded is None or sharded.fully_pinned():
             return inner(self, *args, **kwargs)
         if syncable and engine.comm.world_size > 1 and "synced_gpus" not in kwargs:
-            if not engine.comm.is_default_group:
+            if not _held_by_world(engine):
                 raise RuntimeError(
                     "zerodp stage 3: model.generate needs synced_gpus=True to keep ranks in step, "
                     "and transformers synchronises it over the default process group, which is "
-                    "larger than zerodp's process_group. Generate inside "
+                    "larger than the ranks holding this model (zerodp's process_group, times "
+                    "its tensor-parallel group). Generate inside "
                     "`with zerodp.full_parameters(model):` (on every rank of the group) with "
                     "synced_gpus=False instead"
                 )

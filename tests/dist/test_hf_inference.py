@@ -338,5 +338,6 @@ def test_generate_on_a_subgroup_raises(world):
         assert msg.startswith(
             "zerodp stage 3: model.generate needs synced_gpus=True to keep ranks in step, and "
             "transformers synchronises it over the default process group, which is larger than "
-            "zerodp's process_group."
+            "the ranks holding this model (zerodp's process_group, times its tensor-parallel "
+            "group)."
         ), msg

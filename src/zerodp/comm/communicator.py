@@ -103,7 +103,8 @@ class Communicator:
         self.backend = str(dist.get_backend(group))
         # Libraries that synchronise ranks themselves (transformers' generate(synced_gpus=True))
         # use the default group: only right when it is this group.
-        self.is_default_group = self.world_size == dist.get_world_size()
+        self.default_world_size = dist.get_world_size()
+        self.is_default_group = self.world_size == self.default_world_size
         # [Note: gloo chunked collectives] gloo's reduce_scatter_single / all_gather_single copy
         # the whole bucket and allocate bucket-sized temporaries on the calling thread (measured
         # 36-40 ms and 15-23 ms for a 25 MiB bucket on 2 ranks, against 30 and 10-13 ms for one
