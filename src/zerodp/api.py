@@ -7,7 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zerodp.activations import CheckpointOffload, checkpoint_modules, checkpoint_wrapper
+from zerodp.activations import (
+    CheckpointOffload,
+    CheckpointPartition,
+    CheckpointStore,
+    checkpoint_modules,
+    checkpoint_wrapper,
+)
 from zerodp.comm import GroupLike
 from zerodp.config import ZeroConfig
 from zerodp.engine import ZeroEngine
@@ -18,6 +24,7 @@ from zerodp.params.nocompile import check_not_compiled
 from zerodp.params.policy import UnitPolicy
 from zerodp.snapshot import InitSnapshot
 from zerodp.streams import make_streams
+from zerodp.tensor_parallel import layout_of
 
 
 def initialize(
@@ -79,6 +86,12 @@ def initialize(
     checkpointed = [
         model.get_submodule(n) for n in checkpoint_modules(model, config.activations.checkpoint)
     ]
+    if config.activations.partition and layout_of(model) is None:
+        raise ValueError(
+            "ZeroConfig.activations.partition=True partitions checkpoints over the model's "
+            "tensor-parallel group, and this model is not split: split it with "
+            "zerodp.tensor_parallel.parallelize before zerodp.initialize"
+        )
     snapshot = InitSnapshot.take(model, optimizer)
     try:  # [Note: initialize is all or nothing] in snapshot.py
         engine = ZeroEngine(model, optimizer, config, process_group, stage3)
@@ -93,11 +106,15 @@ def initialize(
     return model, zopt
 
 
-def _checkpoint_offload(model: nn.Module, config: ZeroConfig) -> CheckpointOffload | None:
-    """The host-memory checkpoints of ``ZeroConfig.activations.offload``, on the model's device
-    (one for every checkpointed module of the model, so that the backward brings each back one
-    module ahead)."""
+def _checkpoint_offload(model: nn.Module, config: ZeroConfig) -> CheckpointStore | None:
+    """Where the inputs of the checkpointed modules wait: slices over the tensor-parallel group
+    (``activations.partition``), or host memory (``activations.offload``), on the model's
+    device (one store for every checkpointed module of the model, so that the backward brings
+    each back one module ahead)."""
     activations = config.activations
+    layout = layout_of(model)
+    if activations.partition and layout is not None:
+        return CheckpointPartition(layout.tp)
     if activations.offload == "none":
         return None
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hf_models import global_batches
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from zerotest import TOL, full, sgd_momentum
@@ -191,6 +192,59 @@ def test_untied_head_stage3(world):
         assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
 
 
+# -- partitioned activation checkpoints ([Note: partitioned checkpoints]) ------------------------
+
+
+def case_partitioned(stage: int, partition: bool) -> dict[str, Any]:
+    """Blocks checkpointed, their inputs partitioned over TP or not: parity with the full GPT
+    (trained without checkpointing), the checkpoint bytes a rank keeps after a forward, the TP
+    traffic of a step."""
+    from zerodp.activations import offload_of
+
+    dp = _mesh()["dp"].get_local_rank()
+    activations = zerodp.Activations(checkpoint=("Block",), partition=partition)
+    model, opt, ref = _pair(stage, activations=activations)
+    ref_opt = _sgd(ref)
+    store = offload_of(model.blocks[0])
+    tp = _tp()
+    errors, kept = [], []
+    for step in range(3):
+        ids, targets = _batch(step)
+        _step(ref, ref_opt, ids, targets)
+        tp.ledger.end_step()
+        _, loss = model(_rows(ids, dp), _rows(targets, dp))
+        assert loss is not None
+        kept.append(store.resident_bytes() if store is not None else None)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        errors.append(max_error(joined(model), ref))
+    return {"errors": errors, "kept": kept, "tp": tp.ledger.end_step().elements}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_partitioned_checkpoints(world, stage):
+    plain = world(DP * TP).run(case_partitioned, stage, False, timeout=TIMEOUT)
+    split = world(DP * TP).run(case_partitioned, stage, True, timeout=TIMEOUT)
+    btc = PER_RANK * SHAPE.seq_len * SHAPE.n_embd
+    layers = SHAPE.n_layer
+    for rank in range(DP * TP):
+        for o in (plain[rank], split[rank]):
+            assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
+        # Each block's input, [B, T, C] fp32, kept as one slice of TP.
+        assert split[rank]["kept"] == [layers * btc * 4 // TP] * 3, split[rank]["kept"]
+        assert plain[rank]["kept"] == [None] * 3
+        # A recompute re-runs the attention's row-parallel all-reduce of its block, not the
+        # MLP's: torch's non-reentrant checkpoint stops once it has every tensor the backward
+        # saved, and nothing saved that last output. Partitioning adds one all-gather of each
+        # block's input: 7.6% of the step's TP volume here (the paper's units: an all-reduce
+        # counts twice).
+        base = btc * (1 + 2 * layers + 2 * layers + 1) + 3 * PER_RANK * SHAPE.seq_len
+        assert plain[rank]["tp"] == {"all_reduce": base + layers * btc}, plain[rank]["tp"]
+        want = {"all_reduce": base + layers * btc, "all_gather": layers * btc}
+        assert split[rank]["tp"] == want, split[rank]["tp"]
+
+
 # -- checkpoints ([Note: tensor-parallel checkpoints] in checkpoint/tensor_parallel.py) -----------
 
 
@@ -307,6 +361,10 @@ def case_misuse(root: str) -> list[str]:
     one = tensor_parallel_gpt(GPT(SHAPE), TensorParallel(alone))  # "split" one way
     one, one_opt = zerodp.initialize(one, _sgd(one), _config(1), process_group=alone)
     errors.append(_error(lambda: zerodp.load_checkpoint(root, one, one_opt)))
+    activations = zerodp.Activations(checkpoint=("Block",), partition=True)
+    unsplit = GPT(SHAPE)
+    config = _config(1, activations=activations)
+    errors.append(_error(lambda: zerodp.initialize(unsplit, _sgd(unsplit), config)))
     return errors
 
 
@@ -343,11 +401,17 @@ def test_misuse_is_refused(world, tmp_path):
         "consolidate it (zerodp.consolidate_checkpoint), then load the full state_dict into the "
         "newly split model (load_model_state_dict)"
     ), errors[8]
+    assert errors[9] == (
+        "ValueError: ZeroConfig.activations.partition=True partitions checkpoints over the "
+        "model's tensor-parallel group, and this model is not split: split it with "
+        "zerodp.tensor_parallel.parallelize before zerodp.initialize"
+    ), errors[9]
     for rank, o in enumerate(out[1:], 1):  # the paths in the messages are the same root
         assert o == errors, (rank, o)
 
 
 # -- a Hugging Face Llama, split by a plan of its module names ---------------------------------
+
 
 def _llama_plan() -> dict[str, Any]:
     from zerodp.tensor_parallel import Colwise, Rowwise, VocabEmbedding
@@ -375,9 +439,10 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def case_llama(stage: int) -> dict[str, Any]:
-    """Three SGD-momentum steps of a Llama split by ``_llama_plan``: parity with the full one;
-    then greedy generation (different prompts on the two DP ranks) equal to the full model's."""
+def case_llama(stage: int, partition: bool) -> dict[str, Any]:
+    """Three SGD-momentum steps of a Llama split by ``_llama_plan`` (``partition``: its layers
+    checkpointed, their inputs partitioned over TP): parity with the full one; then greedy
+    generation (different prompts on the two DP ranks) equal to the full model's."""
     from hf_models import global_batches
 
     from zerodp.tensor_parallel import parallelize
@@ -385,28 +450,40 @@ def case_llama(stage: int) -> dict[str, Any]:
     dp = _mesh()["dp"].get_local_rank()
     ref = _llama()
     model = parallelize(copy.deepcopy(ref), _tp(), _llama_plan())
-    model, opt = zerodp.initialize(model, _sgd(model), _config(stage), _mesh()["dp"])
+    activations = zerodp.Activations(checkpoint=("LlamaDecoderLayer",), partition=True)
+    extra = {"activations": activations} if partition else {}
+    model, opt = zerodp.initialize(model, _sgd(model), _config(stage, **extra), _mesh()["dp"])
     ref_opt = _sgd(ref)
-    errors = []
+    errors, gathered = [], []
     for step in range(3):
         data = global_batches("llama", step, DP)
         (sum(ref(**d).loss for d in data) / DP).backward()
         ref_opt.step()
         ref_opt.zero_grad()
+        _tp().ledger.end_step()
         model(**data[dp]).loss.backward()
         opt.step()
         opt.zero_grad()
+        gathered.append(_tp().ledger.end_step().elements.get("all_gather", 0))
         errors.append(max_error(joined(model), ref))
     g = torch.Generator().manual_seed(100 + dp)
     ids = torch.randint(3, 64, (2, 3 + 2 * dp), generator=g)
     kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "num_beams": 1}
     out = model.generate(input_ids=ids, max_new_tokens=4 + 3 * dp, **kwargs)
     want = ref.generate(input_ids=ids, max_new_tokens=4 + 3 * dp, **kwargs)
-    return {"errors": errors, "generated": torch.equal(out, want)}
+    return {"errors": errors, "generated": torch.equal(out, want), "gathered": gathered}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_hf_llama_dp2_tp2_matches_the_full_llama(world, stage):
-    for rank, o in enumerate(world(DP * TP).run(case_llama, stage, timeout=TIMEOUT)):
+@pytest.mark.parametrize(("stage", "partition"), [(2, False), (3, True)])
+def test_hf_llama_dp2_tp2_matches_the_full_llama(world, stage, partition):
+    out = world(DP * TP).run(case_llama, stage, partition, timeout=TIMEOUT)
+    config = _llama().config
+    seq = next(iter(global_batches("llama", 0, DP)[0].values())).shape
+    # The head's logits [B, T, V] gathered for the loss; partitioned: each layer's input
+    # [B, T, H] too, once per step.
+    logits = seq[0] * seq[1] * config.vocab_size
+    inputs = config.num_hidden_layers * seq[0] * seq[1] * config.hidden_size
+    for rank, o in enumerate(out):
         assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
         assert o["generated"], f"rank {rank}: greedy generation differs from the full model's"
+        assert o["gathered"] == [logits + (inputs if partition else 0)] * 3, o["gathered"]

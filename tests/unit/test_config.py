@@ -250,12 +250,14 @@ NON_DEFAULT = ZeroConfig(
     ),
     activations=Activations(checkpoint=("Block",), offload="cpu", on_device=3),
 )
-# Partial offload keeps gradients on the device: its field is set in a second configuration.
+# Partial offload keeps gradients on the device, and partitioned checkpoints stay on it: their
+# fields are set in a second configuration.
 PARTIAL = dataclasses.replace(
     NON_DEFAULT,
     offload=OffloadConfig(
         optimizer="nvme", params="nvme", optimizer_fraction="auto", path="/tmp/zerodp"
     ),
+    activations=Activations(checkpoint=("Block",), partition=True, on_device=3),
 )
 
 
@@ -270,7 +272,10 @@ def test_every_field_of_the_round_trip_config_is_not_its_default() -> None:
     partial = leaves(PARTIAL.to_dict())
     assert given.keys() == default.keys() == partial.keys()
     assert [k for k in given if given[k] == default[k] and partial[k] == default[k]] == []
-    assert [k for k in given if given[k] == default[k]] == ["offload.optimizer_fraction"]
+    assert [k for k in given if given[k] == default[k]] == [
+        "offload.optimizer_fraction",
+        "activations.partition",
+    ]
 
 
 @pytest.mark.parametrize("config", [NON_DEFAULT, PARTIAL], ids=["all", "partial"])

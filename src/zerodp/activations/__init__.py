@@ -9,10 +9,14 @@ from zerodp.activations.checkpointing import (
     uncheckpoint,
 )
 from zerodp.activations.offload import CheckpointOffload
+from zerodp.activations.partition import CheckpointPartition
 from zerodp.activations.scope import recomputing
+from zerodp.activations.store import CheckpointStore
 
 __all__ = [
     "CheckpointOffload",
+    "CheckpointPartition",
+    "CheckpointStore",
     "checkpoint_modules",
     "checkpoint_wrapper",
     "is_checkpointed",

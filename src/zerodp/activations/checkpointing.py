@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerodp.activations.offload import CheckpointOffload, Slot
 from zerodp.activations.scope import recompute_scope
+from zerodp.activations.store import CheckpointStore, Slot
 from zerodp.params.tree import tensors_in
 
 _ORIGINAL = "_zerodp_checkpointed_forward"
@@ -48,10 +48,12 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _ORIGINAL in module.__dict__
 
 
-def checkpoint_wrapper(module: nn.Module, offload: CheckpointOffload | None = None) -> nn.Module:
+def checkpoint_wrapper(module: nn.Module, offload: CheckpointStore | None = None) -> nn.Module:
     """Checkpoint ``module``'s forward ([Note: activation checkpointing]); returns ``module``
-    itself (its forward attribute replaced). ``offload``: its inputs wait for the backward in
-    host memory ([Note: checkpoint offload]). Raises if it is checkpointed already."""
+    itself (its forward attribute replaced). ``offload``: where its inputs wait for the
+    backward: host memory (``CheckpointOffload``, [Note: checkpoint offload]) or slices over
+    the tensor-parallel group (``CheckpointPartition``, [Note: partitioned checkpoints]).
+    Raises if it is checkpointed already."""
     if is_checkpointed(module):
         raise ValueError(
             f"{type(module).__name__} is checkpointed already (zerodp.checkpoint_wrapper "
@@ -64,12 +66,11 @@ def checkpoint_wrapper(module: nn.Module, offload: CheckpointOffload | None = No
     return module
 
 
-def offload_of(module: nn.Module) -> CheckpointOffload | None:
-    """The checkpoint offload of a checkpointed ``module`` (None: its inputs stay)."""
+def offload_of(module: nn.Module) -> CheckpointStore | None:
+    """Where a checkpointed ``module``'s inputs wait (None: on the device, whole)."""
     if not is_checkpointed(module):
         return None
     offload = module.__dict__["forward"].args[1]
-    assert offload is None or isinstance(offload, CheckpointOffload)
     return offload
 
 
@@ -111,7 +112,7 @@ def checkpoint_modules(model: nn.Module, classes: tuple[str, ...]) -> list[str]:
 
 
 def _checkpointed(
-    original: Callable[..., Any], offload: CheckpointOffload | None, *args: Any, **kwargs: Any
+    original: Callable[..., Any], offload: CheckpointStore | None, *args: Any, **kwargs: Any
 ) -> Any:
     if not torch.is_grad_enabled():  # no backward can follow: nothing to keep or recompute
         return original(*args, **kwargs)

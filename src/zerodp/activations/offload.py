@@ -21,35 +21,12 @@ too, so the tests check the mechanism (bytes moved, storages freed, parity), not
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from zerodp.streams import Event, Streams, make_streams
-
-
-class _Own(torch.autograd.Function):
-    """``x`` in storage of its own; the gradient passes through unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-@dataclass(eq=False)
-class Slot:
-    """The offloaded inputs of one checkpointed forward call."""
-
-    tensors: list[torch.Tensor]
-    host: list[torch.Tensor] = field(default_factory=list)
-    stored: Event | None = None  # the copy to the host
-    loaded: Event | None = None  # the copy back
-    freed: bool = False  # device storage resized to 0
+from zerodp.activations.store import Slot, alias, own_inputs, shares_output
+from zerodp.streams import Streams, make_streams
 
 
 class CheckpointOffload:
@@ -69,29 +46,26 @@ class CheckpointOffload:
         self._spare: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def own_inputs(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Slot]:
-        """``args`` with every tensor in storage of its own, and the slot that will hold them."""
-        owned = tuple(_Own.apply(a) if isinstance(a, torch.Tensor) else a for a in args)
-        return owned, Slot([a for a in owned if isinstance(a, torch.Tensor)])
+        return own_inputs(args)
 
     def store(self, slot: Slot, outputs: list[torch.Tensor]) -> None:
         """After the forward: copy the slot's tensors out, free them once copied. Not where an
         output shares their storage (a module returning its input, a view of it, or adding to
         it in place): freeing would take the caller's output away."""
-        keys = {t.untyped_storage().data_ptr() for t in slot.tensors}
-        if not slot.tensors or any(o.untyped_storage().data_ptr() in keys for o in outputs):
+        if not slot.tensors or shares_output(slot, outputs):
             return
         streams = self.streams
-        slot.host = [self._host_buffer(t.numel(), t.dtype) for t in slot.tensors]
+        slot.away = [self._host_buffer(t.numel(), t.dtype) for t in slot.tensors]
         # A forward whose backward never comes (evaluation with gradients on): its buffers come
         # back when autograd drops its graph, and with it the slot.
-        weakref.finalize(slot, _recycle, self._spare, slot.host)
+        weakref.finalize(slot, _recycle, self._spare, slot.away)
         d2h = streams.side("d2h")
         d2h.wait(streams.compute.submit(lambda: None))  # after the forward that wrote them
 
         def copy() -> None:
             with torch.no_grad():
-                for h, t in zip(slot.host, slot.tensors, strict=True):
-                    h.copy_(_alias(t), non_blocking=True)
+                for h, t in zip(slot.away, slot.tensors, strict=True):
+                    h.copy_(alias(t), non_blocking=True)
 
         slot.stored = d2h.submit(copy, uses=slot.tensors)
         self.stored_bytes += sum(t.numel() * t.element_size() for t in slot.tensors)
@@ -108,7 +82,7 @@ class CheckpointOffload:
         assert slot.loaded is not None
         self.streams.compute.wait(slot.loaded)
         # Reused by a later store, whose copy the d2h stream orders after this compute point.
-        _recycle(self._spare, slot.host)
+        _recycle(self._spare, slot.away)
         alive = [r() for r in self._order]
         if slot in alive:
             earlier = [s for s in alive[: alive.index(slot)] if s is not None and s.freed]
@@ -144,8 +118,8 @@ class CheckpointOffload:
 
         def copy() -> None:
             with torch.no_grad():
-                for h, t in zip(slot.host, slot.tensors, strict=True):
-                    _alias(t).copy_(h, non_blocking=True)
+                for h, t in zip(slot.away, slot.tensors, strict=True):
+                    alias(t).copy_(h, non_blocking=True)
 
         # Only device tensors in ``uses`` (CUDA can mark only device memory as used by a side
         # stream); the host buffers go back to ``_spare`` only after the compute stream waited
@@ -171,14 +145,6 @@ class CheckpointOffload:
         """Device bytes of the checkpoints this offload holds now (the tests' measure)."""
         slots = [r() for r in self._order]
         return sum(t.untyped_storage().nbytes() for s in slots if s is not None for t in s.tensors)
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements, flat, as a tensor of its own over the same storage: writing it does not
-    move ``t``'s version counter, which torch's checkpoint checks when it reads its inputs back
-    (``t`` is one of ``_Own``'s contiguous copies)."""
-    flat = torch.empty(0, dtype=t.dtype, device=t.device)
-    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
 def _fresh(device: str, on_device: int) -> CheckpointOffload:

@@ -43,10 +43,28 @@ class Activations(Policy):
     """With ``offload="cpu"``: at most this many checkpoints on the device at once (the
     forward waits for the oldest copy beyond it)."""
 
+    partition: bool = False
+    """Each rank of the model's tensor-parallel group keeps 1/TP of every checkpointed input
+    and all-gathers it before the recompute (the paper's P_a, [Note: partitioned checkpoints]
+    in activations/partition.py). Needs ``checkpoint`` and a model split with
+    ``zerodp.tensor_parallel.parallelize``."""
+
     def __post_init__(self) -> None:
         check_class_names(self, "checkpoint")
         check_choice(self, "offload", OFFLOAD)
         check_positive_int(self, "on_device")
+        if not isinstance(self.partition, bool):
+            raise ValueError(f"{field_path(self, 'partition')} must be a bool")
+        if self.partition and not self.checkpoint:
+            raise ValueError(
+                f"{field_path(self, 'partition')}=True partitions the inputs of checkpointed "
+                f"modules: name their classes in {field_path(self, 'checkpoint')}"
+            )
+        if self.partition and self.offload != "none":
+            raise ValueError(
+                f"{field_path(self, 'partition')}=True with {field_path(self, 'offload')}="
+                f"{self.offload!r} (slices in host memory) is not built: choose one"
+            )
         if self.offload != "none" and not self.checkpoint:
             raise ValueError(
                 f"{field_path(self, 'offload')}={self.offload!r} moves the inputs of "
