@@ -166,6 +166,7 @@ def test_activation_checkpointing_trains_exactly_with_fewer_activations(
         "checkpoint": ["Block"],
         "offload": "none",
         "on_device": 2,
+        "partition": False,
     }
     assert plain["config"]["activations"]["checkpoint"] == []
     assert run["curves"]["loss"] == plain["curves"]["loss"]
@@ -185,8 +186,46 @@ def test_activation_checkpointing_trains_exactly_with_fewer_activations(
         "checkpoint": ["Block"],
         "offload": "cpu",
         "on_device": 2,
+        "partition": False,
     }
     assert offloaded["curves"]["loss"] == plain["curves"]["loss"]
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_trains_as_data_parallel_does(
+    first_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """``--tensor-parallel 2`` on 4 ranks (DP 2 x TP 2) at stage 3, blocks checkpointed: each DP
+    rank trains on the first run's batches (DP 2), so the losses are the first run's within
+    float rounding; the activations are predicted to the byte; the report has the TP traffic
+    and the whole model's Ψ; each TP rank saves its own checkpoints. A world size the TP size
+    does not divide is a usage error."""
+    root, first = first_run
+    _ok(first)
+    out, ckpt = root / "tp", root / "tp-ckpt"
+    tiny = [*TINY]
+    tiny[TINY.index("--world-size") + 1] = "4"
+    args = ["--stage", "3", "--tensor-parallel", "2", "--activation-checkpointing", "full"]
+    run_args = [*tiny, "--steps", "3", *args, "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    proc = _ok(_zerodp_train(run_args, root))
+    report = _report(out)
+    assert report["environment"]["tensor_parallel"] == 2
+    assert report["environment"]["data_parallel"] == 2
+    assert "4 ranks (DP 2 x TP 2, gloo, cpu)" in proc.stdout.splitlines()[0]
+    (run,) = report["runs"]
+    (plain,) = _report(root / "run")["runs"]
+    for got, want in zip(run["curves"]["loss"], plain["curves"]["loss"], strict=True):
+        assert abs(got - want) <= 1e-4 * want, (run["curves"]["loss"], plain["curves"]["loss"])
+    assert run["model_params"] == plain["num_params"] > run["num_params"]
+    assert [m["rank"] for m in run["memory"]] == [0, 1, 2, 3]
+    for mine in run["memory"]:
+        assert mine["peak"]["activations"] == mine["peak_theory"]["activations"], mine
+    assert run["comm"]["tensor_parallel"]["elements"]["all_reduce"] > 0
+    assert "tensor-parallel traffic per step and rank" in proc.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["tp0", "tp1"]
+    bad = _zerodp_train([*TINY, "--tensor-parallel", "3", "--steps", "1"], root)
+    assert bad.returncode == 2, bad.stderr
+    assert "--tensor-parallel 3 does not divide the world size 2" in bad.stderr
 
 
 @pytest.mark.timeout(200)

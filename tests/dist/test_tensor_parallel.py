@@ -192,6 +192,40 @@ def test_untied_head_stage3(world):
         assert max(o["errors"]) <= TOL_TP, (rank, o["errors"])
 
 
+# -- activations saved for backward ([Note: GPT activations] in memory/activations.py) ---------
+
+
+def case_saved(dtype: torch.dtype, checkpoint: bool) -> tuple[int, int]:
+    """(bytes a split GPT's training forward saves for its backward, the formula's)."""
+    from zerodp.memory import GPTShape, gpt_saved_bytes
+    from zerodp.memory.saved import SavedForBackward
+
+    torch.manual_seed(0)
+    shape = GPTConfig(vocab_size=96, seq_len=8, n_layer=2, n_head=4, n_embd=48)
+    model = tensor_parallel_gpt(GPT(shape), _tp()).to(dtype)
+    for block in model.blocks if checkpoint else []:
+        zerodp.checkpoint_wrapper(block)
+    ids, targets = _batch(0)
+    ids, targets = ids[:3, :8] % 96, targets[:3, :8] % 96
+    meter = SavedForBackward(model.parameters())
+    with meter:
+        loss = model(ids, targets)[1]
+    assert loss is not None
+    loss.backward()
+    gpt = GPTShape(layers=2, hidden=48, vocab=96, seq_len=8, micro_batch=3, heads=4)
+    size = torch.finfo(dtype).bits // 8
+    return meter.nbytes, gpt_saved_bytes(
+        gpt, dtype_bytes=size, checkpointing=checkpoint, tensor_parallel=TP
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_saved_activations_are_the_formula(world, dtype, checkpoint):
+    for measured, formula in world(DP * TP).run(case_saved, dtype, checkpoint, timeout=TIMEOUT):
+        assert measured == formula, (measured, formula)
+
+
 # -- partitioned activation checkpoints ([Note: partitioned checkpoints]) ------------------------
 
 

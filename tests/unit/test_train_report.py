@@ -133,7 +133,7 @@ def test_comm_theory_is_2psi_for_stages_0_to_2_and_3psi_for_stage_3() -> None:
 def test_one_rank_has_no_communication_in_theory_either() -> None:
     """At world size 1 nothing is communicated: the theory is 0, not 2Ψ (issue 17)."""
     run = _run(2)
-    run.memory = run.memory[:1]
+    run.memory = [{**run.memory[0], "world_size": 1}]
     run.comm = {**_comm(2), "elements": {}, "bytes": {}, "calls": {}, "volume_elements": 0}
     entry = comm_entry(run)
     assert entry is not None
@@ -144,6 +144,10 @@ def test_one_rank_has_no_communication_in_theory_either() -> None:
     )
     two = comm_entry(_run(2))
     assert two is not None and two["formula"] == "2Ψ" and two["theory_elements"] == 2 * PSI
+    # DP 1 x TP 2: two ranks hold the model, one data-parallel rank: ZeRO moves nothing.
+    run.memory = [{**m, "world_size": 1} for m in _run(2).memory]
+    split = comm_entry(run)
+    assert split is not None and split["formula"] == "0 (one rank)"
 
 
 def test_comm_theory_bytes_counts_gradients_in_the_reduce_dtype() -> None:

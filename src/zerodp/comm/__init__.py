@@ -3,7 +3,7 @@ and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
 from zerodp.comm.diagnosis import STEP_PHASES
-from zerodp.comm.groups import GroupLike
+from zerodp.comm.groups import GroupLike, dp_tp_mesh
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
 from zerodp.comm.watchdog import BETWEEN_STEPS, CollectiveError
 
@@ -19,5 +19,6 @@ __all__ = [
     "GroupLike",
     "Handle",
     "destroy",
+    "dp_tp_mesh",
     "init_from_env",
 ]

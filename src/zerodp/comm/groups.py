@@ -27,7 +27,7 @@ from typing import TypeAlias
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # What ``process_group=`` accepts (``None``: the default group).
 GroupLike: TypeAlias = ProcessGroup | DeviceMesh | None
@@ -83,3 +83,17 @@ def claim(name: str, group: ProcessGroup | None) -> tuple[int, ...]:
     held = store.compare_set(f"zerodp/claim/{name}", "", mine)
     text = held.decode() if isinstance(held, bytes) else str(held)
     return tuple(int(r) for r in text.split(",") if r)
+
+
+def dp_tp_mesh(tensor_parallel: int, device_type: str) -> DeviceMesh:
+    """The world as a DP x TP mesh (dimensions "dp" and "tp"): ranks r and r + 1 of a TP group
+    are neighbours (on one node they share its fast links), the DP groups stride by
+    ``tensor_parallel``. Call on every rank."""
+    world = dist.get_world_size()
+    if tensor_parallel < 1 or world % tensor_parallel:
+        raise ValueError(
+            f"a tensor-parallel size of {tensor_parallel} does not divide the world of {world} "
+            "ranks"
+        )
+    shape = (world // tensor_parallel, tensor_parallel)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))

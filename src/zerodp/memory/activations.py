@@ -32,6 +32,7 @@ def gpt_saved_bytes(
     dtype_bytes: int,
     checkpointing: bool = False,
     on_device: int | None = None,
+    tensor_parallel: int = 1,
 ) -> int:
     """Bytes one training forward of the shipped GPT (``zerodp.apps.models.gpt``: pre-LN
     blocks, ``scaled_dot_product_attention``, GELU MLP, tied head, fp32 loss, no dropout)
@@ -54,21 +55,30 @@ def gpt_saved_bytes(
     log-softmax of the logits 4·bsV, the token ids and targets (int64, 16·bs), the positions
     (8·s) and the loss's fp32 weight (4). The paper's 12·h·b·s·L (``activation_bytes``) counts
     neither the logits nor the statistics. A dropout > 0 adds its masks (not modelled here).
+
+    Split over ``tensor_parallel`` = t ranks (``tensor_parallel_gpt``, [Note: tensor
+    parallelism]): a block's 12·bsh·p of projections, attention and MLP become 12·bsh·p / t
+    and its log-sum-exp b·(a/t)·s·4; the 4·bsh·p around the LayerNorms and the statistics stay
+    whole (Megatron's layout without sequence parallelism). Outside: the vocabulary-parallel
+    loss keeps its softmax 4·bsV / t, its local targets (int64), two masks (bool) and the
+    count (int64: 8), and the embedding its local ids (int64) and mask (bool): 19·bs + 8 in
+    place of 16·bs + 4. Exact as measured on 2 TP ranks (tests/dist/test_tensor_parallel.py).
     """
     b, s, h, layers = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers
-    bs, bsh, p = b * s, b * s * h, dtype_bytes
+    bs, bsh, p, t = b * s, b * s * h, dtype_bytes, tensor_parallel
     if checkpointing:
         kept = layers if on_device is None else min(layers, on_device)
         blocks = kept * bsh * p
     else:
-        blocks = layers * _block_saved_bytes(shape, p)
-    outside = 2 * bsh * p + 2 * bs * p + 4 * bs * shape.vocab + 16 * bs + 8 * s + 4
+        blocks = layers * _block_saved_bytes(shape, p, t)
+    ids_and_loss = 16 * bs + 4 if t == 1 else 19 * bs + 8
+    outside = 2 * bsh * p + 2 * bs * p + 4 * bs * shape.vocab // t + ids_and_loss + 8 * s
     return blocks + outside
 
 
-def _block_saved_bytes(shape: GPTShape, p: int) -> int:
-    b, s, h = shape.micro_batch, shape.seq_len, shape.hidden
-    return 16 * b * s * h * p + 4 * b * s * p + b * shape.heads * s * 4
+def _block_saved_bytes(shape: GPTShape, p: int, tensor_parallel: int = 1) -> int:
+    b, s, h, t = shape.micro_batch, shape.seq_len, shape.hidden, tensor_parallel
+    return (4 * t + 12) * b * s * h * p // t + 4 * b * s * p + b * (shape.heads // t) * s * 4
 
 
 def gpt_activation_bytes(

@@ -118,6 +118,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "offload = as full, and those inputs wait in host memory (default %(default)s)",
     )
     zero.add_argument(
+        "--tensor-parallel",
+        type=argtypes.positive_int,
+        default=d.tensor_parallel,
+        metavar="N",
+        help="split the GPT over N ranks Megatron-style (attention heads, MLP, vocabulary); "
+        "ZeRO shards over the world / N data-parallel ranks (default %(default)s)",
+    )
+    zero.add_argument(
         "--offload-dir",
         metavar="DIR",
         default=d.offload_dir,
@@ -228,6 +236,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         offload_fraction=args.offload_fraction,
         offload_host_gradients=args.offload_host_gradients,
         activation_checkpointing=args.activation_checkpointing,
+        tensor_parallel=args.tensor_parallel,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=_resume_path(args.resume, args.checkpoint_dir),
@@ -347,8 +356,10 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         if under_torchrun():
             _check_torchrun_world(options)
+            options.check_tensor_parallel(int(os.environ["WORLD_SIZE"]))
             return _run_as_rank(options)
         nproc = local_world_size(options)
+        options.check_tensor_parallel(nproc)
     except ValueError as exc:
         parser.error(str(exc))
     from zerodp.apps.train.launch import launch_local

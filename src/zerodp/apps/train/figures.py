@@ -231,12 +231,19 @@ def _plot_comm(ax: Any, done: list[dict[str, Any]]) -> None:
     ax.set_ylim(0, top * 1.4)
     ax.set_xticks(range(len(runs)), [f"stage {e['stage']}" for e in runs])
     ax.set_ylabel("MB per rank per step (paper's units)")
-    ax.set_title("communication per step, by collective", fontsize=10)
+    tp = [e["comm"].get("tensor_parallel") for e in runs]
+    extra = ""
+    if tp and tp[-1] is not None:  # ZeRO's traffic is drawn; the model's TP traffic is not
+        nbytes = sum(n * (2 if k == "all_reduce" else 1) for k, n in tp[-1]["bytes"].items())
+        extra = f"\n(ZeRO's; the model's tensor-parallel traffic besides: {nbytes / MB:.3g} MB)"
+    ax.set_title(f"communication per step, by collective{extra}", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
 
 
 def _plot_throughput(ax: Any, done: list[dict[str, Any]], env: dict[str, Any]) -> None:
-    peak = env.get("peak_flops")
+    peak = env.get("peak_flops")  # one device's; the tokens/s are every rank's
+    if peak:
+        peak *= env.get("world_size", 1)
     for entry in done:
         times = entry["curves"].get("step_time_s") or []
         if not times:
@@ -262,8 +269,9 @@ def _plot_throughput(ax: Any, done: list[dict[str, Any]], env: dict[str, Any]) -
 
 
 def _flops_text(entry: dict[str, Any], tokens_per_s: float, peak: float | None) -> str:
-    """Model FLOP/s as 6Ψ per token (forward and backward), and MFU where the peak is known."""
-    flops = 6 * entry["num_params"] * tokens_per_s
+    """Model FLOP/s as 6Ψ per token (forward and backward; Ψ of the whole model, not of one
+    tensor-parallel rank's slices), and MFU against every device's peak where it is known."""
+    flops = 6 * (entry.get("model_params") or entry["num_params"]) * tokens_per_s
     text = f", {flops / 1e9:,.1f} GFLOP/s (6Ψ/token)"
     return text + (f", MFU {flops / peak:.1%}" if peak else "")
 

@@ -27,6 +27,7 @@ import zerodp
 from zerodp import ZeroOptimizer
 from zerodp.apps.data.corpus import decode, encode, load_corpus
 from zerodp.apps.models.gpt import GPT, Block, generate, get_config, num_parameters
+from zerodp.apps.models.gpt_tp import tensor_parallel_gpt
 from zerodp.apps.train.checkpoints import resume
 from zerodp.apps.train.options import ErrorNote, TrainOptions
 from zerodp.apps.train.report import build_report, write_report
@@ -39,6 +40,7 @@ from zerodp.apps.train.world import RankContext, environment, join_world
 from zerodp.comm import destroy
 from zerodp.comm.launch import record
 from zerodp.memory import dtype_bytes, meter_for
+from zerodp.tensor_parallel import TensorParallel
 
 # Re-exported: callers and tests import these from here, the rank's entry module.
 __all__ = [
@@ -68,7 +70,7 @@ def rank_main(options: TrainOptions, error_dir: str | None = None) -> str | None
 
 
 def _rank_main(options: TrainOptions) -> str | None:
-    ctx = join_world()
+    ctx = join_world(options.tensor_parallel)
     out_dir = None
     if ctx.rank == 0:
         out_dir = resolve_out_dir(options.out)
@@ -121,10 +123,16 @@ def _train_stage(
     baseline = meter.current()  # the runtime (CPU: torch, Python, the data), before the model
     torch.manual_seed(options.seed)  # same initial weights and data for every stage compared
     gpt = GPT(get_config(options.preset)).to(ctx.device)
+    model_params = num_parameters(gpt)
+    group = None
+    if ctx.mesh is not None:  # every rank split the same full model: [Note: tensor parallelism]
+        gpt = tensor_parallel_gpt(gpt, TensorParallel(ctx.mesh["tp"]))
+        group = ctx.mesh["dp"]
     largest_unit = _largest_unit_params(gpt)
     inner = torch.optim.AdamW(gpt.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     param_bytes = num_parameters(gpt) * dtype_bytes(options.precision)
-    model, opt = zerodp.initialize(gpt, inner, options.zero_config(stage, param_bytes))
+    config = options.zero_config(stage, param_bytes)
+    model, opt = zerodp.initialize(gpt, inner, config, process_group=group)
     first_step, schedule = resume(options, model, opt, tell=ctx.rank == 0)
     curves = run_steps(options, stage, ctx, data, model, opt, first_step, schedule, meter)
     process = {
@@ -135,9 +143,10 @@ def _train_stage(
     }
     result = _gather_result(stage, ctx, opt, curves, process)
     result.largest_unit_bytes = largest_unit * result.element_size
+    result.model_params = model_params
     cfg = gpt.config
     result.activations_theory = activations_theory(
-        cfg, options.batch, result.element_size, opt.config.activations
+        cfg, options.batch, result.element_size, opt.config.activations, ctx.tensor_parallel
     )
     result.sample_prompt = SAMPLE_PROMPT
     result.sample_text = _sample(model, options, ctx)
@@ -161,7 +170,7 @@ def _gather_result(
     (rank 0 uses them)."""
     memory = opt.memory_report()
     gathered: list[tuple[list[float], dict]] = [([], {})] * ctx.world_size
-    mine = {**memory.to_dict(), "process": process}
+    mine = {**memory.to_dict(), "process": process, "global_rank": ctx.rank}
     torch.distributed.all_gather_object(gathered, (curves.losses, mine))
     per_rank_losses = [g[0] for g in gathered]
     mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses, strict=True)]
@@ -182,6 +191,7 @@ def _gather_result(
         memory=[g[1] for g in gathered],
         comm=stats.to_dict() if stats is not None else None,
         comm_volumes=curves.volumes,
+        tp_comm=curves.tp_comm,
         skipped_steps=opt.skipped_steps,
         loss_scale=opt.loss_scale,
     )

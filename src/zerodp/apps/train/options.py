@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.apps.models.gpt import Block
+from zerodp.apps.models.gpt import Block, get_config
 from zerodp.apps.train.schedule import Schedule
 from zerodp.config import Activations, OffloadConfig, ZeroConfig
 
@@ -57,6 +57,7 @@ class TrainOptions:
     offload_fraction: float | str = 1.0  # ZeroConfig.offload.optimizer_fraction
     offload_host_gradients: str = "auto"  # ZeroConfig.offload.host_gradients
     activation_checkpointing: str = "none"  # "full"/"offload": ZeroConfig.activations
+    tensor_parallel: int = 1  # ranks each GPT is split over (Megatron); ZeRO over world / this
     checkpoint_dir: str | None = None  # save here (every checkpoint_every steps and at the end)
     checkpoint_every: int = 0  # 0: only at the end
     resume: str | None = None  # a checkpoint or a checkpoint root to resume from
@@ -101,6 +102,24 @@ class TrainOptions:
                 offload="cpu" if self.activation_checkpointing == "offload" else "none",
             ),
         )
+
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """``--tensor-parallel`` against the world and the preset (``ValueError`` says which)."""
+        tp = self.tensor_parallel
+        if tp == 1:
+            return
+        if world_size % tp:
+            raise ValueError(
+                f"--tensor-parallel {tp} does not divide the world size {world_size}: the "
+                "world is data-parallel groups of that many tensor-parallel ranks"
+            )
+        gpt = get_config(self.preset)
+        for name, value in (("n_head", gpt.n_head), ("vocab_size", gpt.vocab_size)):
+            if value % tp:
+                raise ValueError(
+                    f"--tensor-parallel {tp} does not divide preset {self.preset}'s "
+                    f"{name}={value}: each rank holds an equal share"
+                )
 
     @property
     def warmup_steps(self) -> int:

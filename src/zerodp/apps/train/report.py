@@ -94,6 +94,7 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
     entry: dict[str, Any] = {"stage": run.stage, "status": "ok"}
     entry.update(
         num_params=run.num_params,
+        model_params=run.model_params or run.num_params,
         first_step=run.first_step,
         tokens_per_step=run.tokens_per_step,
         config=run.config,
@@ -107,7 +108,7 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
         throughput=throughput(run.step_times, run.tokens_per_step),
         memory=[
             {
-                "rank": m["rank"],
+                "rank": m.get("global_rank", m["rank"]),
                 "measured": memory_measured(m),
                 "theory": memory_theory(run, m),
                 "peak": memory_peak(m),
@@ -129,9 +130,9 @@ def _run_entry(run: RunResult) -> dict[str, Any]:
 def comm_entry(run: RunResult) -> dict[str, Any] | None:
     if run.comm is None:
         return None
-    # One rank has no one to talk to: the paper's volumes are for N > 1 (its 2Ψ is 2Ψ(N-1)/N
-    # rounded up), and at N = 1 they are 0.
-    alone = len(run.memory) == 1
+    # One data-parallel rank has no one to talk to: the paper's volumes are for N > 1 (its 2Ψ
+    # is 2Ψ(N-1)/N rounded up), and at N = 1 they are 0 (TP ranks of one DP rank do not count).
+    alone = (run.memory[0].get("world_size", len(run.memory)) if run.memory else 1) == 1
     theory_bytes = comm_theory_bytes(
         run.stage, run.num_params, run.element_size, run.reduce_element_size
     )
@@ -144,6 +145,7 @@ def comm_entry(run: RunResult) -> dict[str, Any] | None:
         "theory_bytes": 0 if alone else theory_bytes,
         "steady": len(set(run.comm_volumes)) <= 1,  # every step moved the same volume
         "last_step": run.comm,
+        "tensor_parallel": run.tp_comm,  # the model's own TP traffic, apart from ZeRO's
     }
 
 

@@ -25,7 +25,8 @@ class RunResult:
     lrs: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # seconds, rank 0's clock
     tokens_per_step: int = 0  # all ranks together
-    num_params: int = 0  # Ψ
+    num_params: int = 0  # Ψ (of this rank's slices under tensor parallelism)
+    model_params: int = 0  # of the whole model (0: Ψ)
     element_size: int = 4  # bytes of one parameter element (the compute dtype)
     reduce_element_size: int = 4  # bytes of one element gradients are reduced in
     bucket_bytes: int = 0
@@ -35,6 +36,7 @@ class RunResult:
     memory: list[dict[str, Any]] = field(default_factory=list)  # MemoryReport.to_dict() per rank
     comm: dict[str, Any] | None = None  # CommStats.to_dict() of the last step
     comm_volumes: list[int] = field(default_factory=list)  # volume of every step
+    tp_comm: dict[str, Any] | None = None  # the last step's tensor-parallel CommStats.to_dict()
     skipped_steps: int = 0  # steps skipped for non-finite gradients (mixed precision)
     loss_scale: float | None = None  # fp16's loss scale at the end
     sample_prompt: str = ""

@@ -22,6 +22,7 @@ from zerodp.apps.train.options import FAIL_AT_ENV, TrainOptions, parse_fail_at
 from zerodp.apps.train.schedule import Schedule
 from zerodp.apps.train.world import RankContext
 from zerodp.memory import MemoryMeter, SavedForBackward
+from zerodp.tensor_parallel import layout_of
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class Curves:
     # peak over the steps, and the activations the last step's forward left for its backward.
     peak_memory: int | None = None
     activations: int | None = None
+    # A model split over a tensor-parallel group: the last step's TP traffic (its own ledger).
+    tp_comm: dict[str, Any] | None = None
 
 
 def run_steps(
@@ -54,11 +57,15 @@ def run_steps(
 ) -> Curves:
     train, _ = train_val_split(data)
     seq_len = cast(GPT, model).config.seq_len
-    sampler = BatchSampler(train, options.batch, seq_len, options.seed, ctx.rank, ctx.world_size)
-    tokens = ctx.world_size * options.batch * options.grad_accum * seq_len
+    sampler = BatchSampler(train, options.batch, seq_len, options.seed, ctx.dp_rank, ctx.dp_size)
+    tokens = ctx.dp_size * options.batch * options.grad_accum * seq_len
     curves = Curves(first_step=first_step, tokens_per_step=tokens)
     fail_at = parse_fail_at(os.environ.get(FAIL_AT_ENV))
     meter.reset_peak()  # the steps' own peak (where only a lifetime peak exists: that)
+    layout = layout_of(model)
+    tp_ledger = layout.tp.ledger if layout is not None else None
+    if tp_ledger is not None:
+        tp_ledger.end_step()  # from here on, one window per step
     with _progress(options, stage, ctx, first_step) as bar:
         for step in range(first_step, options.steps):
             if fail_at == (ctx.rank, step):
@@ -80,6 +87,8 @@ def run_steps(
                 curves.norms.append(norm)
             stats = opt.comm_stats()
             curves.volumes.append(stats.volume if stats is not None else 0)
+            if tp_ledger is not None:
+                curves.tp_comm = tp_ledger.end_step().to_dict()
             saved = maybe_save(options, schedule, model, opt, step + 1)
             if saved is not None and bar is not None:
                 bar.write(f"checkpoint after step {step + 1}: {saved}", file=sys.stderr)

@@ -52,9 +52,11 @@ def run_title(report: dict[str, Any]) -> str:
     o, env = report["options"], report["environment"]
     checkpointing = o.get("activation_checkpointing", "none")  # absent in older reports
     extra = f", activation checkpointing {checkpointing}" if checkpointing != "none" else ""
+    tp = env.get("tensor_parallel", 1)  # absent in older reports
+    mesh = f"DP {env['world_size'] // tp} x TP {tp}, " if tp > 1 else ""
     return (
         f"zerodp train: preset {o['preset']}, {o['precision']}{extra}, {env['world_size']} "
-        f"ranks ({env['backend']}, {env['device']})"
+        f"ranks ({mesh}{env['backend']}, {env['device']})"
     )
 
 
@@ -75,7 +77,7 @@ def _run_lines(entry: dict[str, Any]) -> list[str]:
     if skipped:
         resumed += f", {skipped} steps skipped for non-finite gradients"
     lines = [
-        f"Stage {stage}: {entry['num_params']:,} parameters (Ψ){resumed}",
+        f"Stage {stage}: {_params(entry)}{resumed}",
         f"  loss {loss['first']:.3f} -> {loss['final']:.3f} (mean of the last "
         f"{min(SMOOTH_STEPS, len(entry['curves']['loss']))} steps, all ranks)",
         f"  throughput {_tokens_per_s(tp['tokens_per_s'])} tokens/s (all ranks), "
@@ -88,6 +90,13 @@ def _run_lines(entry: dict[str, Any]) -> list[str]:
         lines.append(f"  sample (prompt {sample['prompt']!r}):")
         lines += ["    | " + line for line in (sample["prompt"] + sample["text"]).splitlines()]
     return lines
+
+
+def _params(entry: dict[str, Any]) -> str:
+    whole = entry.get("model_params") or entry["num_params"]
+    if whole == entry["num_params"]:
+        return f"{whole:,} parameters (Ψ)"
+    return f"{entry['num_params']:,} parameters (Ψ) per tensor-parallel rank, {whole:,} in all"
 
 
 def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
@@ -157,6 +166,20 @@ def _comm_lines(comm: dict[str, Any] | None) -> list[str]:
         f"elements = {format_mb(comm['measured_bytes'])} MB vs theory {comm['formula']} = "
         f"{format_count(theory)} elements = {format_mb(comm['theory_bytes'])} MB{ratio}",
         f"    by collective: {kinds or 'none'}; units: paper's (all-reduce counted twice)",
+        *_tp_lines(comm.get("tensor_parallel")),
+    ]
+
+
+def _tp_lines(tp: dict[str, Any] | None) -> list[str]:
+    """The model's tensor-parallel traffic, which ZeRO's counts above leave out."""
+    if tp is None:
+        return []
+    kinds = ", ".join(f"{kind} {format_count(n)}" for kind, n in sorted(tp["elements"].items()))
+    return [
+        f"  tensor-parallel traffic per step and rank (the model's, besides ZeRO's): "
+        f"{format_count(tp['volume_elements'])} elements = "
+        f"{format_mb(sum(n * (2 if k == 'all_reduce' else 1) for k, n in tp['bytes'].items()))}"
+        f" MB ({kinds})"
     ]
 
 

@@ -135,11 +135,15 @@ def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, An
 
 
 def activations_theory(
-    gpt: GPTConfig, batch: int, dtype_bytes: int, activations: Activations
+    gpt: GPTConfig,
+    batch: int,
+    dtype_bytes: int,
+    activations: Activations,
+    tensor_parallel: int = 1,
 ) -> float:
     """Activations one forward of the shipped GPT leaves on the device per rank, to the byte
-    ([Note: GPT activations] in memory/activations.py), with the run's checkpointing and
-    checkpoint offload."""
+    ([Note: GPT activations] in memory/activations.py), with the run's checkpointing,
+    checkpoint offload and tensor parallelism."""
     shape = GPTShape(
         layers=gpt.n_layer,
         hidden=gpt.n_embd,
@@ -156,5 +160,6 @@ def activations_theory(
             dtype_bytes=dtype_bytes,
             checkpointing=checkpointing,
             on_device=on_device,
+            tensor_parallel=tensor_parallel,
         )
     )

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 import zerodp
-from zerodp.comm import Communicator, init_from_env
+from zerodp.comm import Communicator, dp_tp_mesh, init_from_env
 
 PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
 
@@ -28,14 +29,21 @@ class RankContext:
     local_world_size: int
     device: torch.device
     backend: str
+    # A DP x TP run (--tensor-parallel): this rank's data-parallel coordinates and its mesh;
+    # the TP ranks of one DP rank train on the same batches.
+    dp_rank: int = 0
+    dp_size: int = 1
+    tensor_parallel: int = 1
+    mesh: DeviceMesh | None = None
 
 
-def join_world() -> RankContext:
+def join_world(tensor_parallel: int = 1) -> RankContext:
     local_rank, local_world, device = local_placement()
     if device.type == "cpu":
         limit_threads(local_world)
     init_from_env(timeout_s=PG_TIMEOUT_S)
     world = Communicator(None)
+    mesh = dp_tp_mesh(tensor_parallel, device.type) if tensor_parallel > 1 else None
     return RankContext(
         rank=world.rank,
         world_size=world.world_size,
@@ -43,6 +51,10 @@ def join_world() -> RankContext:
         local_world_size=local_world,
         device=device,
         backend=world.backend,
+        dp_rank=mesh["dp"].get_local_rank() if mesh is not None else world.rank,
+        dp_size=world.world_size // tensor_parallel,
+        tensor_parallel=tensor_parallel,
+        mesh=mesh,
     )
 
 
@@ -79,6 +91,8 @@ def cores_per_rank(local_world_size: int) -> int:
 def environment(ctx: RankContext, seq_len: int, precision: str) -> dict[str, Any]:
     return {
         "world_size": ctx.world_size,
+        "data_parallel": ctx.dp_size,
+        "tensor_parallel": ctx.tensor_parallel,
         "nodes": max(1, ctx.world_size // max(1, ctx.local_world_size)),
         "backend": ctx.backend,
         "device": ctx.device.type,
