@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from zerodp.apps.cli.main import main
-from zerodp.memory import GPTShape, gpt_param_count, gpt_saved_bytes
+from zerodp.memory import GPTShape, gpt_param_count, gpt_saved_bytes, gpt_working_bytes
 
 # Table 1 of the ZeRO paper (P_os, P_os+g, P_os+g+p in GB), one dict per model size.
 TABLE_1 = {
@@ -164,9 +164,48 @@ def test_model_factory(
     assert _json(capsys, "--model", "zerodp_cli_fixture:tied")["num_params"] == 800
 
 
+def test_model_step_measures_activations_and_the_working_set(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model-step``: one measured step of the user's model ([Note: backward working set]);
+    on the shipped GPT the activations are the formula's to the byte."""
+    (tmp_path / "zerodp_step_fixture.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from zerodp.apps.models.gpt import GPT, GPTConfig
+
+            def gpt():
+                torch.manual_seed(0)
+                return GPT(GPTConfig(64, 16, 2, 2, 32))
+
+            def step(model):
+                ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+                return model(ids, ids.roll(1, dims=1))[1]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "zerodp_step_fixture", raising=False)
+    argv = ["--model", "zerodp_step_fixture:gpt", "--model-step", "zerodp_step_fixture:step"]
+    argv += ["--precision", "fp32", "--world-sizes", "2", "--device-memory-gb", "1"]
+    shape = GPTShape(layers=2, hidden=32, vocab=64, seq_len=16, micro_batch=3, heads=2)
+    (stage0, *_) = _json(capsys, *argv)["world_sizes"][0]["stages"]
+    assert stage0["activations"] == gpt_saved_bytes(shape, dtype_bytes=4)
+    assert 0 < stage0["margin"] <= gpt_working_bytes(shape, dtype_bytes=4)
+    assert stage0["peak"] == stage0["total"] + stage0["margin"]
+    text = _run(capsys, *argv)
+    assert "Activations per rank: 0.00022 GB (measured: one step of zerodp_step_fixture:step)" in (
+        text
+    )
+    assert "         2 0.0007 yes 0.00059 yes" in text  # wide cells keep a space between
+    assert "Margin per rank: " in text
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
+        (["--params", "1e9", "--model-step", "m:f"], "--model-step"),
         (["--params", "1e9", "--world-sizes", "0"], "--world-sizes"),
         (["--params", "1e9", "--world-sizes", "4,x"], "--world-sizes"),
         (["--params", "1e9", "--world-sizes", ""], "--world-sizes"),

@@ -33,7 +33,7 @@ def test_cli_prints_the_three_models_and_the_largest_fit(
     cpu = next(r for r in rows if r[0] == "1.3B" and "optimizer=cpu" in r)
     assert cpu[-4:] == ["yes", "0.283", "cpu", "adam"]  # fits, s/step, bottleneck
     best_13b = next(r for r in rows if r[0] == "13B" and r[2].startswith("*"))
-    assert best_13b[2:6] == ["*optimizer=cpu:0.82", "hostgrad=ring", "s2", "ckpt"]
+    assert best_13b[2:6] == ["*optimizer=cpu:0.83", "hostgrad=ring", "s2", "ckpt"]
     assert "Largest GPT (hidden = 128 x layers) that fits without NVMe" in out
     assert "12.75B (40 layers x 5120)" in out
 

@@ -399,11 +399,11 @@ def test_predicted_13b_fits_one_h100_box_without_nvme() -> None:
     assert not predict(w, Placement(optimizer="cpu"), H100_BOX).fits  # host: 190 GiB
     best = cheapest_fit(w, H100_BOX)  # exact fp32 Adam; NVMe not allowed
     assert best is not None
-    # 18% of the optimizer state on the device, the host gradient a ring (whole, the host
+    # 17% of the optimizer state on the device, the host gradient a ring (whole, the host
     # would need 4 B more per offloaded parameter: 39 GiB), the model's own checkpointing.
     assert best.placement == Placement(
         optimizer="cpu",
-        optimizer_fraction=0.82,
+        optimizer_fraction=0.83,
         stage=2,
         checkpointing=True,
         host_gradients="ring",
@@ -412,7 +412,7 @@ def test_predicted_13b_fits_one_h100_box_without_nvme() -> None:
     assert best.bytes.device.total <= H100_BOX.device_usable_bytes
     assert best.bytes.host.total <= H100_BOX.host_usable_bytes
     assert not predict(w, replace(best.placement, host_gradients="full"), H100_BOX).fits_host
-    assert best.time.seconds == pytest.approx(2.881, abs=1e-3)
+    assert best.time.seconds == pytest.approx(2.903, abs=1e-3)
 
 
 def test_predicted_largest_gpt_on_h100_without_nvme() -> None:
@@ -425,7 +425,7 @@ def test_smallest_fraction_is_the_first_that_fits() -> None:
     w = Workload.gpt(gpt3_shape("6.7B"))
     p = Placement(optimizer="cpu")
     f = smallest_fraction(w, p, H100_BOX)
-    assert f == 0.53
+    assert f == 0.55
     room = H100_BOX.device_usable_bytes
     assert tier_bytes(w, Placement(optimizer="cpu", optimizer_fraction=f)).device.total <= room
     below = Placement(optimizer="cpu", optimizer_fraction=f - 0.01)

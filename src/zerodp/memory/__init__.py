@@ -2,7 +2,12 @@
 model: bytes per tier and step time of a placement on a ``Machine`` (``tiers``, ``step_time``,
 ``fit``), with measurements of the host's constants (``measure``)."""
 
-from zerodp.memory.activations import activation_bytes, gpt_activation_bytes, gpt_saved_bytes
+from zerodp.memory.activations import (
+    activation_bytes,
+    gpt_activation_bytes,
+    gpt_saved_bytes,
+    gpt_working_bytes,
+)
 from zerodp.memory.estimator import (
     GB,
     OPTIMIZER_STATE_BYTES,
@@ -56,6 +61,7 @@ from zerodp.memory.meter import CudaMeter, MemoryMeter, RssMeter, meter_for
 from zerodp.memory.saved import SavedForBackward, local_tensor, storage_key
 from zerodp.memory.step_time import RESOURCES, Segment, StepTime, pipeline, predict_step
 from zerodp.memory.tiers import Breakdown, Placement, TierBytes, Workload, tier_bytes
+from zerodp.memory.trace import StepTrace, trace_spec, trace_step
 
 __all__ = [
     "CALIBRATION_SHAPE",
@@ -87,6 +93,7 @@ __all__ = [
     "SavedForBackward",
     "Segment",
     "StepTime",
+    "StepTrace",
     "TierBytes",
     "Workload",
     "activation_bytes",
@@ -106,6 +113,7 @@ __all__ = [
     "gpt_largest_unit_params",
     "gpt_param_count",
     "gpt_saved_bytes",
+    "gpt_working_bytes",
     "largest_fit",
     "local_tensor",
     "measure_cpu_adam",
@@ -123,5 +131,7 @@ __all__ = [
     "smallest_fraction",
     "storage_key",
     "tier_bytes",
+    "trace_spec",
+    "trace_step",
     "training_flops",
 ]

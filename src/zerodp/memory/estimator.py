@@ -230,6 +230,9 @@ class Overheads:
     """Bytes of the largest stage-3 gather unit, in the parameter dtype."""
     prefetch_depth: int = 1
     """Stage-3 units gathered ahead of the one in use."""
+    working_bytes: float = 0.0
+    """The backward's working set on top of the activations ([Note: backward working set] in
+    activations.py): the margin ``fits`` adds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,10 +244,16 @@ class MemoryEstimate:
     model_states: ModelStateBytes
     activations: float
     buffers: float
+    margin: float = 0.0  # the backward's working set
 
     @property
     def total(self) -> float:
         return self.model_states.total + self.activations + self.buffers
+
+    @property
+    def peak(self) -> float:
+        """What the step's peak is predicted to be: the total and the margin."""
+        return self.total + self.margin
 
 
 def estimate_memory(
@@ -262,12 +271,13 @@ def estimate_memory(
         largest_unit_bytes=overheads.largest_unit_bytes,
         prefetch_depth=overheads.prefetch_depth,
     )
-    return MemoryEstimate(stage, world_size, states, overheads.activation_bytes, buffers)
+    activations, margin = overheads.activation_bytes, overheads.working_bytes
+    return MemoryEstimate(stage, world_size, states, activations, buffers, margin)
 
 
 def fits(estimate: MemoryEstimate, device_bytes: float) -> bool:
-    """Whether the estimate's total fits in ``device_bytes`` of device memory."""
-    return estimate.total <= device_bytes
+    """Whether the estimate's total and margin (the predicted peak) fit in ``device_bytes``."""
+    return estimate.peak <= device_bytes
 
 
 def recommend_stage(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerodp.config.offload import GRADIENT_TIERS, HOST_GRADIENTS, TIERS
-from zerodp.memory.activations import gpt_activation_bytes
+from zerodp.memory.activations import gpt_activation_bytes, gpt_working_bytes
 from zerodp.memory.estimator import (
     GPTShape,
     comm_buffer_bytes,
@@ -264,14 +264,15 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
         param_bytes=pb,
         reduce_bytes=dtype_bytes(w.reduce_precision),
     )
-    activations = logits = 0.0
+    activations = working = 0.0
     if w.shape is not None:
         s = w.shape
         activations = gpt_activation_bytes(
             s, dtype_bytes=int(pb), checkpointing=p.checkpointing
         )  # the loss's fp32 log-softmax included ([Note: GPT activations])
-        # The logits in the compute dtype, which the caller holds (b·s·V).
-        logits = s.micro_batch * s.seq_len * s.vocab * pb
+        # The logits the caller holds and the backward's gradients of them, or one block's
+        # ([Note: backward working set]): the margin a fit needs.
+        working = gpt_working_bytes(s, dtype_bytes=int(pb))
     # Stage 3 with the parameters offloaded: the kept units' shards stay on the device.
     params_off = pb * c.resting_params * p.offloaded if p.params != "none" else 0.0
     device = Breakdown.of(
@@ -289,7 +290,7 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
             ("gathered units", (w.prefetch_depth + 1) * unit * pb if p.stage == 3 else 0.0),
             ("unit gradients", unit * pb if p.stage == 3 else 0.0),
             ("activations", activations),
-            ("logits", logits),
+            ("backward working set", working),
         ]
     )
     grad_mode = p.host_gradient

@@ -43,6 +43,8 @@ from zerodp.memory import (
     gpt_activation_bytes,
     gpt_largest_unit_params,
     gpt_param_count,
+    gpt_working_bytes,
+    trace_spec,
 )
 
 _GPT_FLAGS = ("gpt_layers", "gpt_hidden", "gpt_vocab", "gpt_seq")
@@ -83,6 +85,13 @@ def add_parser(subparsers: Any) -> None:
     )
     model.add_argument(
         "--model", metavar="MODULE:FACTORY", help="count a model built on the meta device"
+    )
+    model.add_argument(
+        "--model-step",
+        metavar="MODULE:FUNCTION",
+        help="with --model: FUNCTION(model) runs one forward at the batch you train with and "
+        "returns the loss; one step of the model (built for real, on the CPU) is measured for "
+        "its activations and the backward's working set",
     )
     p.add_argument(
         "--world-sizes",
@@ -158,8 +167,13 @@ def run(args: argparse.Namespace) -> int:
     num_params, shape = _model_size(args, parser)
     if args.activation_checkpointing and shape is None:
         parser.error("--activation-checkpointing needs a GPT description (--gpt-*)")
+    if args.model_step is not None and args.model is None:
+        parser.error("--model-step needs --model (the model its function steps)")
     per_param = bytes_per_param(args.precision, args.optimizer, k=args.k)
-    overheads = _overheads(args, shape, per_param)
+    try:
+        overheads = _overheads(args, shape, per_param)
+    except (ImportError, AttributeError, ValueError, TypeError, RuntimeError) as exc:
+        parser.error(f"--model-step {args.model_step}: {type(exc).__name__}: {exc}")
     device_bytes = None if args.device_memory_gb is None else args.device_memory_gb * GB
     rows = [
         [estimate_memory(num_params, n, stage, per_param, overheads) for stage in STAGES]
@@ -236,16 +250,19 @@ def _model_size(
 def _overheads(
     args: argparse.Namespace, shape: GPTShape | None, per_param: BytesPerParam
 ) -> Overheads:
-    activations = 0.0
+    activations = working = 0.0
     unit_params = args.largest_unit_params or 0.0
     if shape is not None:
-        activations = gpt_activation_bytes(
-            shape,
-            dtype_bytes=dtype_bytes(args.precision),
-            checkpointing=args.activation_checkpointing,
-        )
+        p = dtype_bytes(args.precision)
+        ckpt = args.activation_checkpointing
+        activations = gpt_activation_bytes(shape, dtype_bytes=p, checkpointing=ckpt)
+        working = gpt_working_bytes(shape, dtype_bytes=p)
         unit_params = args.largest_unit_params or gpt_largest_unit_params(shape)
+    elif args.model_step is not None:  # measured: [Note: backward working set]
+        trace = trace_spec(args.model, args.model_step)
+        activations, working = trace.saved_bytes, trace.working_bytes
     return Overheads(
+        working_bytes=working,
         activation_bytes=activations,
         bucket_bytes=args.bucket_bytes,
         largest_unit_bytes=unit_params * per_param.param_bytes,
@@ -273,14 +290,27 @@ def _to_text(
     for row in rows:
         lines.append(_row(row[0].world_size, [format_gb(e.model_states.total) for e in row]))
     lines.append("")
-    if overheads.activation_bytes:
+    if args.model_step is not None:
+        lines.append(
+            f"Activations per rank: {format_gb(overheads.activation_bytes)} GB"
+            f" (measured: one step of {args.model_step})"
+        )
+    elif overheads.activation_bytes:
         how = "with" if args.activation_checkpointing else "without"
         lines.append(
             f"Activations per rank: {format_gb(overheads.activation_bytes)} GB"
             f" ({how} activation checkpointing, micro-batch {args.gpt_batch})"
         )
     else:
-        lines.append("Activations: not counted (describe the model with --gpt-* to include them)")
+        lines.append(
+            "Activations and margin: not counted (describe the model with --gpt-*, or "
+            "--model with --model-step, to include them)"
+        )
+    if overheads.working_bytes:
+        lines.append(
+            f"Margin per rank: {format_gb(overheads.working_bytes)} GB (the backward's working "
+            "set: gradients of activations and a fresh weight gradient)"
+        )
     buffers = ", ".join(f"stage {e.stage} {format_gb(e.buffers)}" for e in rows[0])
     lines.append(f"Communication buffers per rank (GB): {buffers}")
     if device_bytes is not None:
@@ -292,11 +322,12 @@ def _fit_table(
     rows: list[list[MemoryEstimate]], device_bytes: float, device_gb: float
 ) -> list[str]:
     lines = [
-        f"Total per rank (model states + activations + buffers) in GB on a {device_gb:g} GB device",
+        f"Peak per rank (model states + activations + buffers + margin) in GB on a {device_gb:g}"
+        " GB device",
         _header() + "  recommended",
     ]
     for row in rows:
-        cells = [f"{format_gb(e.total)} {'yes' if fits(e, device_bytes) else 'no'}" for e in row]
+        cells = [f"{format_gb(e.peak)} {'yes' if fits(e, device_bytes) else 'no'}" for e in row]
         best = _recommended(row, device_bytes)
         lines.append(_row(row[0].world_size, cells) + f"  {_stage_name(best)}")
     return lines
@@ -352,6 +383,8 @@ def _estimate_json(e: MemoryEstimate, device_bytes: float | None) -> dict[str, A
         "activations": e.activations,
         "buffers": e.buffers,
         "total": e.total,
+        "margin": e.margin,
+        "peak": e.peak,
         "fits": None if device_bytes is None else fits(e, device_bytes),
     }
 
@@ -361,7 +394,9 @@ def _header() -> str:
 
 
 def _row(world_size: int, cells: Sequence[str]) -> str:
-    return f"{world_size:>10}" + "".join(cell.rjust(_COLUMN) for cell in cells)
+    # At least one space before each cell: a wide one (a tiny model's "0.00059 yes") must not
+    # run into its neighbour.
+    return f"{world_size:>10}" + "".join(" " + cell.rjust(_COLUMN - 1) for cell in cells)
 
 
 def _stage_name(stage: int | None) -> str:
