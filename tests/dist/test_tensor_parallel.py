@@ -27,6 +27,8 @@ from zerotest import TOL, full, sgd_momentum
 import zerodp
 from zerodp.apps.models.gpt import GPT, GPTConfig
 from zerodp.apps.models.gpt_tp import tensor_parallel_gpt
+from zerodp.memory import GPTShape, gpt_saved_bytes
+from zerodp.memory.saved import SavedForBackward
 from zerodp.tensor_parallel import TensorParallel, join_slices, layout_of
 
 TIMEOUT = 240.0
@@ -197,9 +199,6 @@ def test_untied_head_stage3(world):
 
 def case_saved(dtype: torch.dtype, checkpoint: bool) -> tuple[int, int]:
     """(bytes a split GPT's training forward saves for its backward, the formula's)."""
-    from zerodp.memory import GPTShape, gpt_saved_bytes
-    from zerodp.memory.saved import SavedForBackward
-
     torch.manual_seed(0)
     shape = GPTConfig(vocab_size=96, seq_len=8, n_layer=2, n_head=4, n_embd=48)
     model = tensor_parallel_gpt(GPT(shape), _tp()).to(dtype)
@@ -241,19 +240,29 @@ def case_partitioned(stage: int, partition: bool) -> dict[str, Any]:
     ref_opt = _sgd(ref)
     store = offload_of(model.blocks[0])
     tp = _tp()
-    errors, kept = [], []
+    errors, kept, device = [], [], []
     for step in range(3):
         ids, targets = _batch(step)
         _step(ref, ref_opt, ids, targets)
         tp.ledger.end_step()
-        _, loss = model(_rows(ids, dp), _rows(targets, dp))
+        meter = SavedForBackward(model.parameters())
+        with meter:
+            _, loss = model(_rows(ids, dp), _rows(targets, dp))
         assert loss is not None
         kept.append(store.resident_bytes() if store is not None else None)
+        # What the forward left on the device: autograd's tensors and the store's slices.
+        device.append(meter.alive_bytes() + (kept[-1] or 0))
+        meter.release()
         loss.backward()
         opt.step()
         opt.zero_grad()
         errors.append(max_error(joined(model), ref))
-    return {"errors": errors, "kept": kept, "tp": tp.ledger.end_step().elements}
+    return {
+        "errors": errors,
+        "kept": kept,
+        "device": device,
+        "tp": tp.ledger.end_step().elements,
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -268,6 +277,23 @@ def test_partitioned_checkpoints(world, stage):
         # Each block's input, [B, T, C] fp32, kept as one slice of TP.
         assert split[rank]["kept"] == [layers * btc * 4 // TP] * 3, split[rank]["kept"]
         assert plain[rank]["kept"] == [None] * 3
+        gpt = GPTShape(
+            layers=layers,
+            hidden=SHAPE.n_embd,
+            vocab=SHAPE.vocab_size,
+            seq_len=SHAPE.seq_len,
+            micro_batch=PER_RANK,
+            heads=SHAPE.n_head,
+        )
+        for o, partitioned in ((plain[rank], False), (split[rank], True)):
+            formula = gpt_saved_bytes(
+                gpt,
+                dtype_bytes=4,
+                checkpointing=True,
+                tensor_parallel=TP,
+                partitioned=partitioned,
+            )
+            assert o["device"] == [formula] * 3, (partitioned, o["device"], formula)
         # A recompute re-runs the attention's row-parallel all-reduce of its block, not the
         # MLP's: torch's non-reentrant checkpoint stops once it has every tensor the backward
         # saved, and nothing saved that last output. Partitioning adds one all-gather of each

@@ -33,6 +33,7 @@ def gpt_saved_bytes(
     checkpointing: bool = False,
     on_device: int | None = None,
     tensor_parallel: int = 1,
+    partitioned: bool = False,
 ) -> int:
     """Bytes one training forward of the shipped GPT (``zerodp.apps.models.gpt``: pre-LN
     blocks, ``scaled_dot_product_attention``, GELU MLP, tied head, fp32 loss, no dropout)
@@ -63,12 +64,14 @@ def gpt_saved_bytes(
     loss keeps its softmax 4·bsV / t, its local targets (int64), two masks (bool) and the
     count (int64: 8), and the embedding its local ids (int64) and mask (bool): 19·bs + 8 in
     place of 16·bs + 4. Exact as measured on 2 TP ranks (tests/dist/test_tensor_parallel.py).
+    ``partitioned`` (P_a, [Note: partitioned checkpoints]): each checkpoint kept as this rank's
+    slice, ceil(bsh / t)·p.
     """
     b, s, h, layers = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers
     bs, bsh, p, t = b * s, b * s * h, dtype_bytes, tensor_parallel
     if checkpointing:
         kept = layers if on_device is None else min(layers, on_device)
-        blocks = kept * bsh * p
+        blocks = kept * (-(-bsh // t) if partitioned else bsh) * p
     else:
         blocks = layers * _block_saved_bytes(shape, p, t)
     ids_and_loss = 16 * bs + 4 if t == 1 else 19 * bs + 8
@@ -82,20 +85,33 @@ def _block_saved_bytes(shape: GPTShape, p: int, tensor_parallel: int = 1) -> int
 
 
 def gpt_activation_bytes(
-    shape: GPTShape, *, dtype_bytes: int, checkpointing: bool = False
+    shape: GPTShape,
+    *,
+    dtype_bytes: int,
+    checkpointing: bool = False,
+    tensor_parallel: int = 1,
+    partitioned: bool = False,
 ) -> float:
     """The estimator's activations per rank for the shipped GPT layout: what the forward
     leaves for the backward (``gpt_saved_bytes``, the fp32 log-softmax of the logits included)
     and, checkpointed, what the one block the backward recomputes at a time adds. The logits in the
     compute dtype, which the caller holds, are not included."""
-    saved = gpt_saved_bytes(shape, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
-    # The recomputed block reads its input from the checkpoint's storage: not a second time.
+    t = tensor_parallel
+    saved = gpt_saved_bytes(
+        shape,
+        dtype_bytes=dtype_bytes,
+        checkpointing=checkpointing,
+        tensor_parallel=t,
+        partitioned=partitioned,
+    )
+    # The recomputed block reads its input from the checkpoint's storage (gathered whole again
+    # when partitioned): not a second time.
     bsh_p = shape.micro_batch * shape.seq_len * shape.hidden * dtype_bytes
-    recomputed = _block_saved_bytes(shape, dtype_bytes) - bsh_p if checkpointing else 0
+    recomputed = _block_saved_bytes(shape, dtype_bytes, t) - bsh_p if checkpointing else 0
     return float(saved + recomputed)
 
 
-def gpt_working_bytes(shape: GPTShape, *, dtype_bytes: int) -> int:
+def gpt_working_bytes(shape: GPTShape, *, dtype_bytes: int, tensor_parallel: int = 1) -> int:
     """The backward's working set of the shipped GPT per rank: what it allocates on top of the
     activations the forward left ([Note: backward working set]).
 
@@ -117,7 +133,8 @@ def gpt_working_bytes(shape: GPTShape, *, dtype_bytes: int) -> int:
     the step's peak).
     """
     b, s, h, v, p = shape.micro_batch, shape.seq_len, shape.hidden, shape.vocab, dtype_bytes
-    logits = b * s * v
-    head = logits * p + 2 * 4 * logits + (logits * p if p != 4 else 0) + b * s * h * p + v * h * p
-    block = 4 * b * s * h * p + 4 * h * h * p
-    return max(head, block)
+    t = tensor_parallel  # the logits, the 4h-wide layers and their weights split t ways
+    logits = b * s * v // t
+    head = logits * p + 2 * 4 * logits + (logits * p if p != 4 else 0) + b * s * h * p
+    block = (4 * b * s * h * p + 4 * h * h * p) // t
+    return max(head + v * h * p // t, block)

@@ -312,7 +312,9 @@ def _to_text(
             "set: gradients of activations and a fresh weight gradient)"
         )
     buffers = ", ".join(f"stage {e.stage} {format_gb(e.buffers)}" for e in rows[0])
-    lines.append(f"Communication buffers per rank (GB): {buffers}")
+    gathered = (overheads.prefetch_depth + 1) * overheads.largest_unit_bytes
+    of_which = f" (of which {format_gb(gathered)} gathered stage-3 units)" if gathered else ""
+    lines.append(f"Communication buffers per rank (GB): {buffers}{of_which}")
     if device_bytes is not None:
         lines += ["", *_fit_table(rows, device_bytes, args.device_memory_gb)]
     return "\n".join(lines)
