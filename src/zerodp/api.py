@@ -24,7 +24,7 @@ from zerodp.params.nocompile import check_not_compiled
 from zerodp.params.policy import UnitPolicy
 from zerodp.snapshot import InitSnapshot
 from zerodp.streams import make_streams
-from zerodp.tensor_parallel import layout_of
+from zerodp.tensor_parallel import check_split_root, layout_of
 
 
 def initialize(
@@ -86,6 +86,7 @@ def initialize(
     checkpointed = [
         model.get_submodule(n) for n in checkpoint_modules(model, config.activations.checkpoint)
     ]
+    check_split_root(model)
     if config.activations.partition and layout_of(model) is None:
         raise ValueError(
             "ZeroConfig.activations.partition=True partitions checkpoints over the model's "

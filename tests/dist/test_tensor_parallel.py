@@ -377,6 +377,56 @@ def test_checkpoints_reshard_over_dp_and_consolidate(world, tmp_path):
     assert out[0]["consolidated"] == names  # every tensor the saved full one, bit for bit
 
 
+def case_partial_save(root: str) -> dict[str, Any]:
+    """TP rank 1's newest step is missing (its save failed): every rank loads the newest step
+    both TP ranks saved, and consolidation takes that step too; one tp<r> alone is refused."""
+    from zerodp.checkpoint import faults
+
+    rank, tp_rank = dist.get_rank(), _tp().rank
+    model, opt, _ = _pair(1)
+    ids, targets = _batch(0)
+    _step(model, opt, _rows(ids, 0), _rows(targets, 0))
+    zerodp.save_checkpoint(root, model, opt, keep_last=1)
+    _step(model, opt, _rows(ids, 0), _rows(targets, 0))
+
+    def disk_full(rank: int, index: int, count: int, flush: Any) -> None:
+        raise OSError("No space left on device")
+
+    faults.hooks.writing_rank_file = disk_full if tp_rank == 1 else None
+    try:
+        failed = _error(lambda: zerodp.save_checkpoint(root, model, opt, keep_last=1))
+    finally:
+        faults.hooks.writing_rank_file = None
+    fresh, fresh_opt, _ = _pair(1)
+    zerodp.load_checkpoint(root, fresh, fresh_opt)
+    out: dict[str, Any] = {"steps": fresh_opt.steps, "failed": failed.splitlines()[0]}
+    if rank == 0:
+        out["consolidated"] = zerodp.consolidate_checkpoint(root, f"{root}/full.st").step
+        out["one_part"] = _error(lambda: zerodp.consolidate_checkpoint(f"{root}/tp0", "x.st"))
+    return out
+
+
+def test_a_step_some_tp_rank_lacks_is_passed_over(world, tmp_path):
+    """The second save fails on TP rank 1 (its disk is full): every rank raises; keep_last=1
+    prunes only once every TP rank has the new step, so step 1 survives and is loaded."""
+    out = world(DP * TP).run(case_partial_save, str(tmp_path), timeout=TIMEOUT)
+    assert [o["steps"] for o in out] == [1, 1, 1, 1]
+    for o in out:
+        assert o["failed"] == (
+            f"CheckpointError: save_checkpoint({tmp_path}) failed on tensor-parallel rank(s) "
+            "[1]; the steps every TP rank saved stay loadable (load_checkpoint takes the newest "
+            "of them):"
+        ), o["failed"]
+    assert (tmp_path / "tp0" / "step-00000002").is_dir()  # published before TP rank 1 failed
+    assert out[0]["consolidated"] == 1
+    step = tmp_path / "tp0" / "step-00000002"
+    assert out[0]["one_part"] == (
+        f"CheckpointError: cannot consolidate {step}: it holds tensor-parallel rank 0's slices "
+        "of a model split 2 ways; consolidate the directory that holds tp0/, tp1/, ... (the "
+        "slices are joined into the full model)"
+    )
+
+
 # -- misuse ----------------------------------------------------------------------------------------
 
 
@@ -390,7 +440,7 @@ def _error(fn: Any) -> str:
 
 def case_misuse(root: str) -> list[str]:
     """Each misuse raises naming the problem and the fix, before the model changes."""
-    from zerodp.tensor_parallel import Colwise, parallelize
+    from zerodp.tensor_parallel import Colwise, VocabEmbedding, parallelize
 
     tp = _tp()
     torch.manual_seed(0)
@@ -425,7 +475,28 @@ def case_misuse(root: str) -> list[str]:
     unsplit = GPT(SHAPE)
     config = _config(1, activations=activations)
     errors.append(_error(lambda: zerodp.initialize(unsplit, _sgd(unsplit), config)))
+    # Tied weights: split alike they stay one parameter; split one way only, refused.
+    tied = _Tied()
+    parallelize(tied, tp, {"emb": VocabEmbedding(), "head": Colwise(gather_output=True)})
+    errors.append(f"tied: {tied.emb.weight is tied.head.weight}, {tuple(tied.emb.weight.shape)}")
+    errors.append(_error(lambda: parallelize(_Tied(), tp, {"emb": VocabEmbedding()})))
+    # A submodule split, the model given to initialize not.
+    outer = nn.Sequential(tensor_parallel_gpt(GPT(SHAPE), tp))
+    errors.append(_error(lambda: zerodp.initialize(outer, _sgd(outer), _config(1))))
+    # P_a of a module whose input is split (the row-parallel projections' is): refused.
+    rows = zerodp.Activations(checkpoint=("Linear",), partition=True)
+    model, opt, _ = _pair(1, activations=rows)
+    ids, targets = _batch(0)
+    errors.append(_error(lambda: model(_rows(ids, 0), _rows(targets, 0))))
     return errors
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
 
 
 def test_misuse_is_refused(world, tmp_path):
@@ -466,6 +537,22 @@ def test_misuse_is_refused(world, tmp_path):
         "model's tensor-parallel group, and this model is not split: split it with "
         "zerodp.tensor_parallel.parallelize before zerodp.initialize"
     ), errors[9]
+    assert errors[10] == "tied: True, (4, 4)", errors[10]
+    assert errors[11] == (
+        "ValueError: tied parameters must be split alike, or untied first: emb.weight "
+        "Split(dim=0, chunks=1), head.weight whole (give both modules styles that split the "
+        "weight the same way, e.g. VocabEmbedding and Colwise for a tied embedding and head)"
+    ), errors[11]
+    assert errors[12] == (
+        "ValueError: 0 was split with zerodp.tensor_parallel.parallelize and the model given to "
+        "zerodp.initialize was not: parallelize the model you pass to initialize (the plan's "
+        "names then start with '0.')"
+    ), errors[12]
+    assert errors[13] == (
+        "ValueError: Activations(partition=True): a checkpointed module's input differs "
+        "between the tensor-parallel ranks (its input is split, as a row-parallel layer's is); "
+        "partition only modules whose input every TP rank holds whole (transformer layers)"
+    ), errors[13]
     for rank, o in enumerate(out[1:], 1):  # the paths in the messages are the same root
         assert o == errors, (rank, o)
 

@@ -30,6 +30,7 @@ class CheckpointPartition:
         self.tp = tp
         self.gathered_bytes = 0  # all-gathered back, ever (the slices of every rank)
         self._order: list[weakref.ref[Slot]] = []  # slots alive, for resident_bytes
+        self._verified = False  # the checkpoints were checked to be replicated over TP
 
     def own_inputs(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Slot]:
         return own_inputs(args)
@@ -37,6 +38,8 @@ class CheckpointPartition:
     def store(self, slot: Slot, outputs: list[torch.Tensor]) -> None:
         if not slot.tensors or shares_output(slot, outputs) or self.tp.size == 1:
             return
+        if not self._verified:
+            self._check_replicated(slot)
         rank, size = self.tp.rank, self.tp.size
         with torch.no_grad():
             for t in slot.tensors:
@@ -52,7 +55,22 @@ class CheckpointPartition:
         self._order = [r for r in self._order if r() is not None]
         self._order.append(weakref.ref(slot))
 
+    def _check_replicated(self, slot: Slot) -> None:
+        """The first forward: each checkpoint must be the same on every TP rank (a module whose
+        input is itself split, a row-parallel layer, would be rebuilt from different tensors).
+        One small all-gather per checkpointed module, until the first backward."""
+        sums = torch.stack([t.detach().double().sum() for t in slot.tensors])
+        rows = self.tp.comm.all_gather_control(sums.to(slot.tensors[0].device))
+        if not all(torch.equal(rows[0], row) for row in rows):
+            raise ValueError(
+                "Activations(partition=True): a checkpointed module's input differs between "
+                "the tensor-parallel ranks (its input is split, as a row-parallel layer's is); "
+                "partition only modules whose input every TP rank holds whole (transformer "
+                "layers)"
+            )
+
     def load(self, slot: Slot) -> None:
+        self._verified = True  # a backward: every module of a forward has been checked
         if not slot.freed:
             return
         with torch.no_grad():

@@ -32,9 +32,11 @@ from zerodp.checkpoint.manifest import (
     sources_by_name,
 )
 from zerodp.checkpoint.tensor_parallel import (
+    check_single_part,
     check_tp_parts,
     full_shape,
     joined,
+    newest_common,
     split_of,
     tp_roots,
 )
@@ -79,9 +81,11 @@ def consolidate_checkpoint(
     rank's slices joined ([Note: tensor-parallel checkpoints])."""
     root = Path(checkpoint)
     parts = tp_roots(root)  # [Note: tensor-parallel checkpoints]
-    paths = [fs.resolve(p) for p in parts] if parts else [fs.resolve(root)]
+    paths = newest_common(parts) if parts else [fs.resolve(root)]
     manifests = [_opened(path, verify) for path in paths]
-    if parts is not None:
+    if parts is None:
+        check_single_part(manifests[0], paths[0])
+    else:
         problems = check_tp_parts(manifests)
         if problems:
             raise CheckpointError(f"cannot consolidate {root}:\n  " + "\n  ".join(problems))

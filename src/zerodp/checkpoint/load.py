@@ -43,7 +43,12 @@ from zerodp.checkpoint.manifest import (
     sources_by_name,
     state_key,
 )
-from zerodp.checkpoint.tensor_parallel import resolve_for, sliced, tp_problems
+from zerodp.checkpoint.tensor_parallel import (
+    across_tp,
+    agreed_checkpoint,
+    sliced,
+    tp_problems,
+)
 from zerodp.checkpoint.tensorfile import ShardReader, dtype_from_name
 from zerodp.optim.pieces import OptimPiece
 from zerodp.params.access import ShardedParameter
@@ -82,8 +87,12 @@ def load_checkpoint(
         state.meet(Op.CHECKPOINT)  # [stage 3] meet a rank still in a step at its check
         mine = sorted({op.name for op in state.pieces})
         optimized = set().union(*comm.all_gather_object(mine))
-        plan, error = attempt(lambda: _validate(directory, model, state, allow_reshard, optimized))
-        raise_if_any(comm.all_gather_object(error), header)
+        # [Note: tensor-parallel checkpoints]: a split model's TP ranks agree on the step.
+        target, error = agreed_checkpoint(directory, model)
+        plan = None
+        if not error:
+            plan, error = attempt(lambda: _validate(target, model, state, allow_reshard, optimized))
+        raise_if_any(across_tp(comm.all_gather_object(error), model), header)
         assert plan is not None
         with ShardReader(plan.path) as reader, state.masters.resident(write=True):
             _apply(plan, reader, model, state)
@@ -102,7 +111,7 @@ def _validate(
     allow_reshard: bool,
     optimized: set[str],
 ) -> _Plan:
-    path = resolve_for(directory, model)  # [Note: tensor-parallel checkpoints]
+    path = Path(directory)  # resolved by agreed_checkpoint
     m = read_verified_manifest(path)  # every rank: nothing of an edited manifest is used
     world, stage = state.comm.world_size, state.stage
     problems = []

@@ -50,12 +50,13 @@ from zerodp.checkpoint.manifest import (
     split_range,
     state_key,
 )
-from zerodp.checkpoint.tensor_parallel import tp_record, tp_root
+from zerodp.checkpoint.tensor_parallel import agree_on_save, tp_record, tp_root
 from zerodp.checkpoint.tensorfile import FileInfo, TensorFileWriter, TensorSpec, dtype_name
 from zerodp.comm import Communicator
 from zerodp.optim.pieces import OptimPiece
 from zerodp.params.order import Op
 from zerodp.partition.layout import Range
+from zerodp.tensor_parallel import layout_of
 from zerodp.version import __version__
 from zerodp.views import CheckpointState
 
@@ -85,6 +86,31 @@ def save_checkpoint(
     returned by ``load_checkpoint``. Returns the new checkpoint's directory. With a
     data-parallel sub-group, ``directory`` belongs to the first group that saves into it
     ([Note: one data-parallel group per root])."""
+    if layout_of(model) is None:
+        return _save(directory, model, opt, extra, keep_last)
+    # [Note: tensor-parallel checkpoints]: each TP rank's DP group saves its own root; the TP
+    # ranks then agree that all did before any prunes (a step some TP rank lacks is passed
+    # over by load_checkpoint, so the older ones must stay until the new one is everywhere).
+    if keep_last is not None and (isinstance(keep_last, bool) or not keep_last >= 1):
+        raise ValueError(f"keep_last must be a positive integer or None; got {keep_last!r}")
+    try:
+        path = _save(directory, model, opt, extra, None)
+    except Exception as exc:  # a TP rank whose DP group failed: the others raise with it
+        agree_on_save(model, directory, str(exc) or type(exc).__name__)
+        raise
+    agree_on_save(model, directory, "")
+    if keep_last is not None and state_of(model, opt).comm.rank == 0:
+        fs.prune(path.parent, keep_last, path.name)
+    return path
+
+
+def _save(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    opt: Any,
+    extra: Any,
+    keep_last: int | None,
+) -> Path:
     state = state_of(model, opt)
     comm = state.comm
     root = tp_root(directory, model)  # [Note: tensor-parallel checkpoints]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from zerodp.checkpoint import directory as fs
+from zerodp.checkpoint.common import attempt
 from zerodp.checkpoint.manifest import MANIFEST, CheckpointError, Manifest
 from zerodp.tensor_parallel import Split, join_slices, layout_of, local_slice
 
@@ -30,6 +31,71 @@ def tp_root(directory: str | os.PathLike[str], model: nn.Module) -> Path:
     layout = layout_of(model)
     root = Path(directory)
     return root if layout is None else root / f"tp{layout.tp.rank}"
+
+
+def agreed_checkpoint(directory: str | os.PathLike[str], model: nn.Module) -> tuple[Path, str]:
+    """(the checkpoint this rank loads, "" or why none). For a split model the step is agreed
+    over the tensor-parallel group (a collective there: call on every rank): the newest step
+    every TP rank published, so that a save that failed on some TP rank is passed over instead
+    of giving the ranks different steps; ``directory`` is the root or ``root/step-N``."""
+    layout = layout_of(model)
+    if layout is None:
+        path, error = attempt(lambda: resolve_for(directory, model))
+        return path or Path(directory), error
+    tp, base = layout.tp, Path(directory)
+    if not (base / f"tp{tp.rank}").is_dir() and (base.parent / f"tp{tp.rank}").is_dir():
+        base, wanted = base.parent, base.name  # root/step-N: that step of every TP rank
+    else:
+        wanted = None
+    mine, error = attempt(lambda: _complete_steps(base / f"tp{tp.rank}", wanted))
+    gathered = tp.comm.all_gather_object((mine or [], error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        return base, errors[0]
+    common = set.intersection(*(set(names) for names, _ in gathered))
+    if not common:
+        found = {f"tp{r}": names for r, (names, _) in enumerate(gathered)}
+        return base, (
+            f"no checkpoint under {base} that every tensor-parallel rank saved (complete steps "
+            f"per rank: {found})"
+        )
+    return base / f"tp{tp.rank}" / _newest(common), ""
+
+
+def _complete_steps(root: Path, wanted: str | None) -> list[str]:
+    steps = [d.name for _, d in fs.step_dirs(root) if (d / MANIFEST).is_file()]
+    if wanted is not None:
+        steps = [n for n in steps if n == wanted]
+    return steps
+
+
+def across_tp(errors: list[str], model: nn.Module) -> list[str]:
+    """Every rank's errors of ``model``'s DP group and, for a split model, of the other DP
+    groups of its TP group too (a collective there): the TP ranks raise together, none goes on
+    to a TP collective the others never reach."""
+    layout = layout_of(model)
+    if layout is None:
+        return errors
+    gathered: list[list[str]] = layout.tp.comm.all_gather_object(errors)
+    return [e for group in gathered for e in group]
+
+
+def agree_on_save(model: nn.Module, directory: str | os.PathLike[str], error: str) -> None:
+    """Raise on every rank of the TP group if a save failed on one of its DP groups (a
+    collective over TP for a split model; nothing otherwise)."""
+    layout = layout_of(model)
+    if layout is None:
+        return
+    errors: list[str] = layout.tp.comm.all_gather_object(error)
+    failed = [r for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    first = errors[failed[0]]
+    raise CheckpointError(
+        f"save_checkpoint({directory}) failed on tensor-parallel rank(s) {failed}; the steps "
+        "every TP rank saved stay loadable (load_checkpoint takes the newest of them):\n  "
+        + first.replace("\n", "\n  ")
+    )
 
 
 def resolve_for(directory: str | os.PathLike[str], model: nn.Module) -> Path:
@@ -87,6 +153,31 @@ def tp_roots(root: Path) -> list[Path] | None:
     while (root / f"tp{len(roots)}").is_dir():
         roots.append(root / f"tp{len(roots)}")
     return roots
+
+
+def newest_common(roots: list[Path]) -> list[Path]:
+    """The newest step every one of the TP ranks' ``roots`` holds complete, in each."""
+    names = [set(_complete_steps(r, None)) for r in roots]
+    common = set.intersection(*names) if names else set()
+    if not common:
+        where = roots[0].parent if roots else ""
+        raise CheckpointError(f"no step that every tensor-parallel rank saved under {where}")
+    return [r / _newest(common) for r in roots]
+
+
+def _newest(names: set[str]) -> str:
+    return max(names, key=lambda n: int(n.rpartition("-")[2]))
+
+
+def check_single_part(m: Manifest, path: Path) -> None:
+    """Refuse to consolidate one TP rank's slices as if they were the model."""
+    record = m.tensor_parallel
+    if record is not None:
+        raise CheckpointError(
+            f"cannot consolidate {path}: it holds tensor-parallel rank {record['rank']}'s slices "
+            f"of a model split {record['size']} ways; consolidate the directory that holds "
+            "tp0/, tp1/, ... (the slices are joined into the full model)"
+        )
 
 
 def check_tp_parts(manifests: list[Manifest]) -> list[str]:

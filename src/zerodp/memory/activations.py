@@ -104,10 +104,11 @@ def gpt_activation_bytes(
         tensor_parallel=t,
         partitioned=partitioned,
     )
-    # The recomputed block reads its input from the checkpoint's storage (gathered whole again
-    # when partitioned): not a second time.
-    bsh_p = shape.micro_batch * shape.seq_len * shape.hidden * dtype_bytes
-    recomputed = _block_saved_bytes(shape, dtype_bytes, t) - bsh_p if checkpointing else 0
+    # The recomputed block reads its input from the checkpoint's storage: not a second time.
+    # Partitioned, that storage is whole again for the recompute and the slice is gone.
+    bsh = shape.micro_batch * shape.seq_len * shape.hidden
+    kept = (-(-bsh // t) if partitioned else bsh) * dtype_bytes
+    recomputed = _block_saved_bytes(shape, dtype_bytes, t) - kept if checkpointing else 0
     return float(saved + recomputed)
 
 

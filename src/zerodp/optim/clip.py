@@ -81,12 +81,13 @@ def combine_norms(
     """The total norm (the same on every rank) from this rank's per-tensor norms, of the
     parameters ``names`` (None: not known, refused under tensor parallelism)."""
     tp = scope.tp
-    if tp is not None and names is None:
+    infinite = math.isinf(norm_type)
+    if tp is not None and names is None and not infinite:
         raise NotImplementedError(
             "clip_grad_norm_ of a tensor-parallel model whose gradients are offloaded is not "
-            "built: the offloaded gradients' norms do not say which parameter they belong to"
+            "built: the offloaded gradients' norms do not say which parameter they belong to "
+            "(norm_type=inf is)"
         )
-    infinite = math.isinf(norm_type)
     if not norms:
         local = torch.zeros((), dtype=torch.float32, device=device)
     elif tp is None or infinite:

@@ -69,4 +69,6 @@ def vocab_parallel_cross_entropy(
         )
     if tp.size == 1:
         return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index)
-    return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)
+    # In fp32 whatever the logits' dtype: the softmax over the vocabulary is where low
+    # precision hurts most (the gradient comes back in the logits' dtype).
+    return _VocabParallelCrossEntropy.apply(logits.float(), target, tp, ignore_index)

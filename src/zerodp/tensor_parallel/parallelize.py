@@ -84,6 +84,21 @@ def layout_of(model: nn.Module) -> Layout | None:
     return layout if isinstance(layout, Layout) else None
 
 
+def check_split_root(model: nn.Module) -> None:
+    """Raise if a submodule of ``model`` was split and ``model`` itself was not: zerodp would
+    not see the tensor-parallel group (its norms and step agreement would leave it out and the
+    whole parameters would drift apart across it)."""
+    if layout_of(model) is not None:
+        return
+    for name, module in model.named_modules():
+        if name and layout_of(module) is not None:
+            raise ValueError(
+                f"{name} was split with zerodp.tensor_parallel.parallelize and the model given "
+                "to zerodp.initialize was not: parallelize the model you pass to initialize "
+                f"(the plan's names then start with '{name}.')"
+            )
+
+
 def parallelize(model: nn.Module, tp: TensorParallel, plan: Mapping[str, Style]) -> nn.Module:
     """Split ``model`` over ``tp`` by ``plan`` (module-name patterns, ``fnmatch`` style, to
     styles); returns ``model``. Checks everything before changing anything: on an error the
@@ -98,12 +113,49 @@ def parallelize(model: nn.Module, tp: TensorParallel, plan: Mapping[str, Style])
     chosen = _match(model, plan)
     for name, (module, style) in chosen.items():
         _check(name, module, style, tp.size)
-    splits: dict[str, Split] = {}
-    for name, (module, style) in chosen.items():
-        for param_name, split in _split_module(module, style, tp).items():
-            splits[f"{name}.{param_name}" if name else param_name] = split
+    splits = {
+        f"{name}.{param_name}": split
+        for name, (module, style) in chosen.items()
+        for param_name, split in _splits_of(module, style).items()
+    }
+    slices = _slices(model, splits, tp)  # checks tied parameters before anything changes
+    for module, style in chosen.values():
+        _split_module(module, style, tp)
+    for name, piece in slices.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, piece)
     model.__dict__[_LAYOUT] = Layout(tp, splits)
     return model
+
+
+def _slices(model: nn.Module, splits: dict[str, Split], tp: TensorParallel) -> dict[str, Any]:
+    """This rank's new parameter for every name in ``splits``: one per tied parameter, under
+    each of its names. A parameter tied to one the plan splits otherwise (or not at all) is an
+    error: its aliases would part."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    out: dict[str, Any] = {}
+    for key, names in aliases.items():
+        split = {splits.get(n) for n in names}
+        if split == {None}:
+            continue
+        if len(split) > 1:
+            ways = ", ".join(f"{n} {splits.get(n) or 'whole'}" for n in names)
+            raise ValueError(
+                f"tied parameters must be split alike, or untied first: {ways} (give both "
+                "modules styles that split the weight the same way, e.g. VocabEmbedding and "
+                "Colwise for a tied embedding and head)"
+            )
+        (how,) = split
+        assert how is not None
+        param = params[key]
+        piece = local_slice(param.detach(), how, tp.rank, tp.size).clone()
+        shared = nn.Parameter(piece, requires_grad=param.requires_grad)
+        out.update(dict.fromkeys(names, shared))
+    return out
 
 
 def _match(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, tuple[nn.Module, Style]]:
@@ -130,8 +182,13 @@ def _check(name: str, module: nn.Module, style: Style, size: int) -> None:
             f"{type(style).__name__} splits an nn.{kind.__name__}; {name} is of class "
             f"{type(module).__name__}"
         )
-    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
-        raise ValueError(f"{name}: a vocabulary-parallel embedding with max_norm or sparse")
+    if isinstance(module, nn.Embedding) and (
+        module.max_norm is not None or module.sparse or module.scale_grad_by_freq
+    ):
+        raise ValueError(
+            f"{name}: a vocabulary-parallel embedding with max_norm, sparse or "
+            "scale_grad_by_freq is not built"
+        )
     weight = module.weight
     dim = 1 if isinstance(style, Rowwise) else 0
     chunks = style.chunks if isinstance(style, Colwise) else 1
@@ -146,27 +203,26 @@ def _check(name: str, module: nn.Module, style: Style, size: int) -> None:
         raise ValueError(f"{name}: Colwise(chunks > 1) cannot gather its output in order")
 
 
-def _split_module(module: nn.Module, style: Style, tp: TensorParallel) -> dict[str, Split]:
-    splits: dict[str, Split] = {}
+def _splits_of(module: nn.Module, style: Style) -> dict[str, Split]:
     if isinstance(style, Colwise):
-        splits["weight"] = Split(0, style.chunks)
+        splits = {"weight": Split(0, style.chunks)}
         if getattr(module, "bias", None) is not None:
             splits["bias"] = Split(0, style.chunks)
+        return splits
+    return {"weight": Split(1 if isinstance(style, Rowwise) else 0)}
+
+
+def _split_module(module: nn.Module, style: Style, tp: TensorParallel) -> None:
+    """The module's tensor-parallel forward (its parameters are replaced by ``parallelize``)."""
+    if isinstance(style, Colwise):
         forward: Any = functools.partial(_colwise, tp=tp, gather=style.gather_output)
     elif isinstance(style, Rowwise):
-        splits["weight"] = Split(1)
         forward = functools.partial(_rowwise, tp=tp)
     else:
-        splits["weight"] = Split(0)
         forward = functools.partial(_vocab, tp=tp)
-    for param_name, split in splits.items():
-        param = getattr(module, param_name)
-        piece = local_slice(param.detach(), split, tp.rank, tp.size).clone()
-        setattr(module, param_name, nn.Parameter(piece, requires_grad=param.requires_grad))
     _resize_attributes(module, style, tp.size)
     # Bound to the instance: a deep copy of the model binds its copy (the group is shared).
     module.forward = types.MethodType(forward, module)
-    return splits
 
 
 def local_slice(full: torch.Tensor, split: Split, rank: int, size: int) -> torch.Tensor:
