@@ -27,7 +27,7 @@ from zerotest import TOL, full, sgd_momentum
 import zerodp
 from zerodp.apps.models.gpt import GPT, GPTConfig
 from zerodp.apps.models.gpt_tp import tensor_parallel_gpt
-from zerodp.memory import GPTShape, gpt_saved_bytes
+from zerodp.memory import GPTShape, gpt_block_params, gpt_param_count, gpt_saved_bytes
 from zerodp.memory.saved import SavedForBackward
 from zerodp.tensor_parallel import TensorParallel, join_slices, layout_of
 
@@ -198,7 +198,8 @@ def test_untied_head_stage3(world):
 
 
 def case_saved(dtype: torch.dtype, checkpoint: bool) -> tuple[int, int]:
-    """(bytes a split GPT's training forward saves for its backward, the formula's)."""
+    """(bytes a split GPT's training forward saves for its backward, the formula's); the
+    parameters per TP rank are ``gpt_param_count``'s."""
     torch.manual_seed(0)
     shape = GPTConfig(vocab_size=96, seq_len=8, n_layer=2, n_head=4, n_embd=48)
     model = tensor_parallel_gpt(GPT(shape), _tp()).to(dtype)
@@ -212,6 +213,10 @@ def case_saved(dtype: torch.dtype, checkpoint: bool) -> tuple[int, int]:
     assert loss is not None
     loss.backward()
     gpt = GPTShape(layers=2, hidden=48, vocab=96, seq_len=8, micro_batch=3, heads=4)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == gpt_param_count(gpt, tensor_parallel=TP), params
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert block == gpt_block_params(gpt, tensor_parallel=TP), block
     size = torch.finfo(dtype).bits // 8
     return meter.nbytes, gpt_saved_bytes(
         gpt, dtype_bytes=size, checkpointing=checkpoint, tensor_parallel=TP

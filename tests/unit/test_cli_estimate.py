@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 
 from zerodp.apps.cli.main import main
-from zerodp.memory import GPTShape, gpt_param_count, gpt_saved_bytes, gpt_working_bytes
+from zerodp.memory import (
+    GPTShape,
+    gpt_activation_bytes,
+    gpt_param_count,
+    gpt_saved_bytes,
+    gpt_working_bytes,
+)
 
 # Table 1 of the ZeRO paper (P_os, P_os+g, P_os+g+p in GB), one dict per model size.
 TABLE_1 = {
@@ -202,9 +208,67 @@ def test_model_step_measures_activations_and_the_working_set(
     assert "Margin per rank: " in text
 
 
+def test_tensor_parallel_and_partitioned_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tensor-parallel T``: a GPT split T ways, per TP rank (the formulas' layout, checked
+    against a split model in tests/dist/test_tensor_parallel.py); ``--partition-activations``
+    keeps 1/T of each checkpoint."""
+    gpt = ["--gpt-layers", "4", "--gpt-hidden", "256", "--gpt-vocab", "512", "--gpt-seq", "128"]
+    argv = [*gpt, "--gpt-heads", "4", "--gpt-batch", "2", "--world-sizes", "2"]
+    shape = GPTShape(layers=4, hidden=256, vocab=512, seq_len=128, micro_batch=2, heads=4)
+    kw = {"dtype_bytes": 2, "checkpointing": True, "tensor_parallel": 2}
+    ckpt = ["--activation-checkpointing", "--tensor-parallel", "2"]
+    split = _json(capsys, *argv, *ckpt)
+    parted = _json(capsys, *argv, *ckpt, "--partition-activations")
+    assert split["num_params"] == gpt_param_count(shape, tensor_parallel=2)
+    assert split["num_params"] < gpt_param_count(shape) / 2 + 256 * 128 + 12 * 256 * 4
+    acts = [d["world_sizes"][0]["stages"][0]["activations"] for d in (split, parted)]
+    assert acts == [
+        gpt_activation_bytes(shape, **kw),
+        gpt_activation_bytes(shape, **kw, partitioned=True),
+    ]
+    # Half of each block's bf16 input, but of the one being recomputed (whole again then).
+    assert acts[0] - acts[1] == (4 - 1) * 2 * 128 * 256 * 2 // 2
+    text = _run(capsys, *argv, *ckpt, "--partition-activations")
+    assert "parameters per tensor-parallel rank (the model split 2 ways)" in text
+    assert "(with activation checkpointing, partitioned (P_a), micro-batch 2)" in text
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
+        (["--params", "1e9", "--tensor-parallel", "2"], "--tensor-parallel"),
+        (
+            [
+                "--gpt-layers",
+                "2",
+                "--gpt-hidden",
+                "30",
+                "--gpt-vocab",
+                "64",
+                "--gpt-seq",
+                "8",
+                "--tensor-parallel",
+                "4",
+            ],
+            "--tensor-parallel",
+        ),
+        (
+            [
+                "--gpt-layers",
+                "2",
+                "--gpt-hidden",
+                "64",
+                "--gpt-vocab",
+                "64",
+                "--gpt-seq",
+                "8",
+                "--tensor-parallel",
+                "2",
+                "--partition-activations",
+            ],
+            "--partition-activations",
+        ),
+        (["--offload", "--tensor-parallel", "2"], "--tensor-parallel"),
         (["--params", "1e9", "--model-step", "m:f"], "--model-step"),
         (["--params", "1e9", "--world-sizes", "0"], "--world-sizes"),
         (["--params", "1e9", "--world-sizes", "4,x"], "--world-sizes"),

@@ -152,40 +152,51 @@ class GPTShape:
                 raise ValueError(f"GPTShape.{name} must be a positive integer; got {value!r}")
 
 
-def gpt_block_params(shape: GPTShape, *, biases_and_norms: bool = True) -> int:
+def gpt_block_params(
+    shape: GPTShape, *, biases_and_norms: bool = True, tensor_parallel: int = 1
+) -> int:
     """Parameters of one transformer block: 12h² weights (+ 13h biases and LayerNorms).
 
     Weights: QKV 3h², attention output h², MLP up 4h² and down 4h². Biases: 3h + h + 4h + h;
-    two LayerNorms: 2 x 2h.
+    two LayerNorms: 2 x 2h. Split over ``tensor_parallel`` = t ranks (Megatron's layout, the
+    shipped GPT's ``tensor_parallel_gpt``): the weights and the QKV and MLP-up biases per rank
+    are 1/t, the two output biases and the LayerNorms (6h) stay whole.
     """
-    h = shape.hidden
-    return 12 * h * h + (13 * h if biases_and_norms else 0)
+    h, t = shape.hidden, tensor_parallel
+    if not biases_and_norms:
+        return 12 * h * h // t
+    return (12 * h * h + 7 * h) // t + 6 * h
 
 
-def gpt_param_count(shape: GPTShape, *, biases_and_norms: bool = True) -> int:
+def gpt_param_count(
+    shape: GPTShape, *, biases_and_norms: bool = True, tensor_parallel: int = 1
+) -> int:
     """Parameters of a standard GPT: L·(12h² + 13h) + V·h + S·h + 2h.
 
     V·h is the token embedding, shared with the LM head (tied, so counted once); S·h the learned
     positions; 2h the final LayerNorm. With ``biases_and_norms=False`` the 13h and 2h terms are
     dropped, leaving the 12·L·h² + V·h + S·h that papers usually quote. GPT-2 XL (48, 1600,
-    50257, 1024) gives 1,557,611,200, its published count.
+    50257, 1024) gives 1,557,611,200, its published count. ``tensor_parallel``: one rank's
+    share of the split model (``gpt_block_params``; the vocabulary split, the positions whole).
     """
-    h = shape.hidden
-    blocks = shape.layers * gpt_block_params(shape, biases_and_norms=biases_and_norms)
-    embeddings = shape.vocab * h + shape.seq_len * h
+    h, t = shape.hidden, tensor_parallel
+    block = gpt_block_params(shape, biases_and_norms=biases_and_norms, tensor_parallel=t)
+    blocks = shape.layers * block
+    embeddings = shape.vocab * h // t + shape.seq_len * h
     final_norm = 2 * h if biases_and_norms else 0
     return blocks + embeddings + final_norm
 
 
-def gpt_largest_unit_params(shape: GPTShape) -> int:
+def gpt_largest_unit_params(shape: GPTShape, *, tensor_parallel: int = 1) -> int:
     """Parameters of the largest stage-3 gather unit of a GPT.
 
     As in ``zerodp.apps.models.gpt``, each transformer block is a unit and the parameters outside
     the blocks (token and position embeddings, final LayerNorm) form the root unit; whichever is
     larger bounds the gathered bytes.
     """
-    root = (shape.vocab + shape.seq_len) * shape.hidden + 2 * shape.hidden
-    return max(gpt_block_params(shape), root)
+    t = tensor_parallel
+    root = shape.vocab * shape.hidden // t + shape.seq_len * shape.hidden + 2 * shape.hidden
+    return max(gpt_block_params(shape, tensor_parallel=t), root)
 
 
 def comm_buffer_bytes(

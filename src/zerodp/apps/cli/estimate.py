@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Sequence
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from typing import Any
@@ -25,6 +23,13 @@ from zerodp.apps.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from zerodp.apps.cli.estimate_model import (
+    check_tensor_parallel,
+    model_given,
+    model_size,
+    overheads_of,
+    split_text,
+)
 from zerodp.config import ZeroConfig
 from zerodp.memory import (
     GB,
@@ -32,22 +37,13 @@ from zerodp.memory import (
     PRECISIONS,
     STAGES,
     BytesPerParam,
-    GPTShape,
     MemoryEstimate,
     Overheads,
     bytes_per_param,
-    count_parameters,
-    dtype_bytes,
     estimate_memory,
     fits,
-    gpt_activation_bytes,
-    gpt_largest_unit_params,
-    gpt_param_count,
-    gpt_working_bytes,
-    trace_spec,
 )
 
-_GPT_FLAGS = ("gpt_layers", "gpt_hidden", "gpt_vocab", "gpt_seq")
 _COLUMN = 10
 
 
@@ -144,6 +140,20 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="with --gpt-* only; with --offload: always (else both are tried)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="with --gpt-*: each GPT split over T ranks (Megatron's layout, as zerodp train "
+        "--tensor-parallel); the world sizes are then the data-parallel degrees",
+    )
+    p.add_argument(
+        "--partition-activations",
+        action="store_true",
+        help="with --activation-checkpointing and --tensor-parallel: each rank keeps 1/T of "
+        "every checkpoint (P_a)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     estimate_offload.add_arguments(p)
     p.set_defaults(func=run, estimate_parser=p)
@@ -153,9 +163,14 @@ def run(args: argparse.Namespace) -> int:
     """Compute the estimates for every world size and stage and print them."""
     parser: argparse.ArgumentParser = args.estimate_parser
     if args.offload:
+        if args.tensor_parallel > 1 or args.partition_activations or args.model_step:
+            parser.error(
+                "--tensor-parallel, --partition-activations and --model-step: not with "
+                "--offload (its cost model knows the unsplit GPT layout)"
+            )
         if args.gpt_batch is None:
             args.gpt_batch = estimate_offload.DEFAULT_BATCH
-        models = [] if not _model_given(args) else [_model_size(args, parser)]
+        models = [] if not model_given(args) else [model_size(args, parser)]
         return estimate_offload.run(args, parser, models)
     stray = estimate_offload.given_offload_flags(args)
     if stray:
@@ -164,14 +179,15 @@ def run(args: argparse.Namespace) -> int:
         args.gpt_batch = 1
     if args.world_sizes is None:
         args.world_sizes = [1, 4, 16, 64, 256, 1024]
-    num_params, shape = _model_size(args, parser)
+    num_params, shape = model_size(args, parser)
     if args.activation_checkpointing and shape is None:
         parser.error("--activation-checkpointing needs a GPT description (--gpt-*)")
     if args.model_step is not None and args.model is None:
         parser.error("--model-step needs --model (the model its function steps)")
+    check_tensor_parallel(args, shape, parser)
     per_param = bytes_per_param(args.precision, args.optimizer, k=args.k)
     try:
-        overheads = _overheads(args, shape, per_param)
+        overheads = overheads_of(args, shape, per_param)
     except (ImportError, AttributeError, ValueError, TypeError, RuntimeError) as exc:
         parser.error(f"--model-step {args.model_step}: {type(exc).__name__}: {exc}")
     device_bytes = None if args.device_memory_gb is None else args.device_memory_gb * GB
@@ -210,66 +226,6 @@ def format_gb(num_bytes: float) -> str:
     return format(rounded.normalize(), "f")
 
 
-def _model_given(args: argparse.Namespace) -> bool:
-    gpt = any(getattr(args, flag) is not None for flag in _GPT_FLAGS)
-    return gpt or args.params is not None or args.model is not None
-
-
-def _model_size(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
-) -> tuple[float, GPTShape | None]:
-    given_gpt = [flag for flag in _GPT_FLAGS if getattr(args, flag) is not None]
-    sources = [args.params is not None, bool(given_gpt), args.model is not None]
-    if sum(sources) != 1:
-        parser.error("give exactly one of --params, --gpt-layers/--gpt-hidden/..., or --model")
-    if given_gpt:
-        missing = [f"--{f.replace('_', '-')}" for f in _GPT_FLAGS if f not in given_gpt]
-        if missing:
-            parser.error(f"a GPT description also needs {', '.join(missing)}")
-        shape = GPTShape(
-            layers=args.gpt_layers,
-            hidden=args.gpt_hidden,
-            vocab=args.gpt_vocab,
-            seq_len=args.gpt_seq,
-            micro_batch=args.gpt_batch,
-            heads=args.gpt_heads or 0,
-        )
-        return float(gpt_param_count(shape)), shape
-    if args.model is not None:
-        # A console script does not put the working directory on sys.path; `--model mymod:f`
-        # run from a project directory should still find mymod.
-        if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())
-        try:
-            return float(count_parameters(args.model)), None
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
-            parser.error(f"--model {args.model}: {exc}")
-    return float(args.params), None
-
-
-def _overheads(
-    args: argparse.Namespace, shape: GPTShape | None, per_param: BytesPerParam
-) -> Overheads:
-    activations = working = 0.0
-    unit_params = args.largest_unit_params or 0.0
-    if shape is not None:
-        p = dtype_bytes(args.precision)
-        ckpt = args.activation_checkpointing
-        activations = gpt_activation_bytes(shape, dtype_bytes=p, checkpointing=ckpt)
-        working = gpt_working_bytes(shape, dtype_bytes=p)
-        unit_params = args.largest_unit_params or gpt_largest_unit_params(shape)
-    elif args.model_step is not None:  # measured: [Note: backward working set]
-        trace = trace_spec(args.model, args.model_step)
-        activations, working = trace.saved_bytes, trace.working_bytes
-    return Overheads(
-        working_bytes=working,
-        activation_bytes=activations,
-        bucket_bytes=args.bucket_bytes,
-        largest_unit_bytes=unit_params * per_param.param_bytes,
-        prefetch_depth=args.prefetch_depth,
-    )
-
-
 def _to_text(
     args: argparse.Namespace,
     num_params: float,
@@ -281,7 +237,8 @@ def _to_text(
     optimizer = "K override" if args.k is not None else args.optimizer
     lines = [
         "Per-rank model-state memory in GB (1 GB = 1e9 bytes), as in the ZeRO paper's Table 1",
-        f"{num_params:,.0f} parameters; {args.precision} parameters ({per_param.param_bytes:g} B)"
+        f"{num_params:,.0f} parameters{split_text(args)}; {args.precision} parameters "
+        f"({per_param.param_bytes:g} B)"
         f" and gradients ({per_param.grad_bytes:g} B); {optimizer} optimizer state"
         f" K = {per_param.optimizer_bytes_per_param:g} B per parameter",
         "",
@@ -297,9 +254,10 @@ def _to_text(
         )
     elif overheads.activation_bytes:
         how = "with" if args.activation_checkpointing else "without"
+        part = ", partitioned (P_a)" if args.partition_activations else ""
         lines.append(
             f"Activations per rank: {format_gb(overheads.activation_bytes)} GB"
-            f" ({how} activation checkpointing, micro-batch {args.gpt_batch})"
+            f" ({how} activation checkpointing{part}, micro-batch {args.gpt_batch})"
         )
     else:
         lines.append(
