@@ -52,14 +52,14 @@ def agreed_checkpoint(directory: str | os.PathLike[str], model: nn.Module) -> tu
     errors = [e for _, e in gathered if e]
     if errors:
         return base, errors[0]
-    common = set.intersection(*(set(names) for names, _ in gathered))
-    if not common:
+    newest = _newest_common([names for names, _ in gathered])
+    if newest is None:
         found = {f"tp{r}": names for r, (names, _) in enumerate(gathered)}
         return base, (
             f"no checkpoint under {base} that every tensor-parallel rank saved (complete steps "
             f"per rank: {found})"
         )
-    return base / f"tp{tp.rank}" / _newest(common), ""
+    return base / f"tp{tp.rank}" / newest, ""
 
 
 def _complete_steps(root: Path, wanted: str | None) -> list[str]:
@@ -157,16 +157,17 @@ def tp_roots(root: Path) -> list[Path] | None:
 
 def newest_common(roots: list[Path]) -> list[Path]:
     """The newest step every one of the TP ranks' ``roots`` holds complete, in each."""
-    names = [set(_complete_steps(r, None)) for r in roots]
-    common = set.intersection(*names) if names else set()
-    if not common:
+    newest = _newest_common([_complete_steps(r, None) for r in roots])
+    if newest is None:
         where = roots[0].parent if roots else ""
         raise CheckpointError(f"no step that every tensor-parallel rank saved under {where}")
-    return [r / _newest(common) for r in roots]
+    return [r / newest for r in roots]
 
 
-def _newest(names: set[str]) -> str:
-    return max(names, key=lambda n: int(n.rpartition("-")[2]))
+def _newest_common(per_rank: list[list[str]]) -> str | None:
+    """The highest-numbered step directory name in every list (None: none is in all)."""
+    common = set.intersection(*(set(names) for names in per_rank)) if per_rank else set()
+    return max(common, key=lambda n: int(n.rpartition("-")[2])) if common else None
 
 
 def check_single_part(m: Manifest, path: Path) -> None:
@@ -186,13 +187,10 @@ def check_tp_parts(manifests: list[Manifest]) -> list[str]:
     if any(r is None for r in records):
         return ["a tp<r> directory holds a checkpoint saved without tensor parallelism"]
     size = records[0]["size"] if records[0] else 0
-    problems = []
+    # The steps agree by construction: newest_common picked one directory name for all.
     if len(manifests) != size:
-        problems.append(f"{len(manifests)} tp<r> directories for tensor-parallel size {size}")
-    if len({m.step for m in manifests}) != 1:
-        steps = [m.step for m in manifests]
-        problems.append(f"the TP ranks' latest checkpoints are of different steps {steps}")
-    return problems
+        return [f"{len(manifests)} tp<r> directories for tensor-parallel size {size}"]
+    return []
 
 
 def split_of(m: Manifest, name: str) -> Split | None:

@@ -3,7 +3,7 @@ and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
 from zerodp.comm.diagnosis import STEP_PHASES
-from zerodp.comm.groups import GroupLike, dp_tp_mesh
+from zerodp.comm.groups import DeviceMesh, GroupLike, dp_tp_mesh
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
 from zerodp.comm.watchdog import BETWEEN_STEPS, CollectiveError
 
@@ -16,6 +16,7 @@ __all__ = [
     "CommLedger",
     "CommStats",
     "Communicator",
+    "DeviceMesh",
     "GroupLike",
     "Handle",
     "destroy",

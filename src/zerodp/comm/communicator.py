@@ -202,6 +202,9 @@ class Communicator:
         if self.world_size == 1:
             return Handle(None)
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), MODEL)
+        return self._all_reduce(tensor, op, async_op)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Handle:
         group, reduce_op = self.group, _OPS[op]
         return self._run(
             "all_reduce",
@@ -288,14 +291,8 @@ class Communicator:
     def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """A small all-reduce whose result every rank uses to take the same decision."""
         self.ledger.record("all_reduce", tensor.numel(), tensor.element_size(), CONTROL)
-        if self.world_size == 1:
-            return
-        group, reduce_op = self.group, _OPS[op]
-        self._run(
-            "all_reduce",
-            lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
-            False,
-        )
+        if self.world_size > 1:
+            self._all_reduce(tensor, op, async_op=False)
 
     def all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's small ``tensor``, stacked: ``(world_size, *tensor.shape)``."""

@@ -120,7 +120,7 @@ def parallelize(model: nn.Module, tp: TensorParallel, plan: Mapping[str, Style])
     }
     slices = _slices(model, splits, tp)  # checks tied parameters before anything changes
     for module, style in chosen.values():
-        _split_module(module, style, tp)
+        _install_forward(module, style, tp)
     for name, piece in slices.items():
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, piece)
@@ -212,7 +212,7 @@ def _splits_of(module: nn.Module, style: Style) -> dict[str, Split]:
     return {"weight": Split(1 if isinstance(style, Rowwise) else 0)}
 
 
-def _split_module(module: nn.Module, style: Style, tp: TensorParallel) -> None:
+def _install_forward(module: nn.Module, style: Style, tp: TensorParallel) -> None:
     """The module's tensor-parallel forward (its parameters are replaced by ``parallelize``)."""
     if isinstance(style, Colwise):
         forward: Any = functools.partial(_colwise, tp=tp, gather=style.gather_output)

@@ -134,18 +134,11 @@ def _meta(
 ) -> dict[str, Any]:
     import torch
 
-    from zerodp.apps.models.gpt import get_config
-    from zerodp.memory import GPTShape, activation_bytes, dtype_bytes, gpt_saved_bytes
+    from zerodp.apps.models.gpt import get_config, memory_shape
+    from zerodp.memory import activation_bytes, dtype_bytes, gpt_saved_bytes
 
     cfg = get_config(options.preset)
-    shape = GPTShape(
-        layers=cfg.n_layer,
-        hidden=cfg.n_embd,
-        vocab=cfg.vocab_size,
-        seq_len=cfg.seq_len,
-        micro_batch=options.batch,
-        heads=cfg.n_head,
-    )
+    shape = memory_shape(cfg, options.batch)
     first = next((r[0][0] for r in runs.values() if r), {})
     return {
         **options.to_dict(),

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerodp.memory import GPTShape
 from zerodp.tensor_parallel import (
     TensorParallel,
     copy_to,
@@ -97,6 +98,18 @@ PRESETS: dict[str, GPTConfig] = {
     # world size 1, zerodp vs plain training vs FSDP2). Byte tokens use 256 of the 50304 rows.
     "gpt1b": GPTConfig(vocab_size=50304, seq_len=1024, n_layer=18, n_head=16, n_embd=2048),
 }
+
+
+def memory_shape(config: GPTConfig, micro_batch: int) -> GPTShape:
+    """This GPT as zerodp's memory formulas describe it, at ``micro_batch`` sequences."""
+    return GPTShape(
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        vocab=config.vocab_size,
+        seq_len=config.seq_len,
+        micro_batch=micro_batch,
+        heads=config.n_head,
+    )
 
 
 def get_config(name: str, **overrides: Any) -> GPTConfig:

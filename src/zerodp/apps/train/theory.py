@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerodp.apps.models.gpt import GPTConfig
+from zerodp.apps.models.gpt import GPTConfig, memory_shape
 from zerodp.apps.train.result import RunResult
 from zerodp.config import Activations
-from zerodp.memory import GPTShape, comm_buffer_bytes, gpt_saved_bytes
+from zerodp.memory import comm_buffer_bytes, gpt_saved_bytes
 
 MB = 1e6
 
@@ -144,14 +144,7 @@ def activations_theory(
     """Activations one forward of the shipped GPT leaves on the device per rank, to the byte
     ([Note: GPT activations] in memory/activations.py), with the run's checkpointing,
     checkpoint offload and tensor parallelism."""
-    shape = GPTShape(
-        layers=gpt.n_layer,
-        hidden=gpt.n_embd,
-        vocab=gpt.vocab_size,
-        seq_len=gpt.seq_len,
-        micro_batch=batch,
-        heads=gpt.n_head,
-    )
+    shape = memory_shape(gpt, batch)
     checkpointing = bool(activations.checkpoint)
     on_device = activations.on_device if activations.offload != "none" else None
     return float(

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 import zerodp
-from zerodp.comm import Communicator, dp_tp_mesh, init_from_env
+from zerodp.comm import Communicator, DeviceMesh, dp_tp_mesh, init_from_env
 
 PG_TIMEOUT_S = 600.0  # a hung collective becomes an error after this, not a silent hang
 
@@ -32,9 +31,12 @@ class RankContext:
     # A DP x TP run (--tensor-parallel): this rank's data-parallel coordinates and its mesh;
     # the TP ranks of one DP rank train on the same batches.
     dp_rank: int = 0
-    dp_size: int = 1
     tensor_parallel: int = 1
     mesh: DeviceMesh | None = None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tensor_parallel
 
 
 def join_world(tensor_parallel: int = 1) -> RankContext:
@@ -52,7 +54,6 @@ def join_world(tensor_parallel: int = 1) -> RankContext:
         device=device,
         backend=world.backend,
         dp_rank=mesh["dp"].get_local_rank() if mesh is not None else world.rank,
-        dp_size=world.world_size // tensor_parallel,
         tensor_parallel=tensor_parallel,
         mesh=mesh,
     )
