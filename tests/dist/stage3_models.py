@@ -185,3 +185,62 @@ class GatedStack(nn.Module):
         for layer in self.layers:
             x = layer(x, branch)
         return self.head(x)
+
+
+class Shift(nn.Module):
+    """Adds a learned bias: ``add`` saves nothing for its backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class Scale(nn.Module):
+    """Multiplies by a learned vector: ``mul`` saves the parameter itself (a leaf)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Recomputed(nn.Module):
+    """Checkpoints a linear layer inside its own forward: the checkpoint keeps nothing of the
+    parameters, and its recompute reads them in the backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        out = checkpoint(self.lin, x, use_reentrant=False)
+        assert isinstance(out, torch.Tensor)
+        return torch.tanh(out)
+
+
+class Parts(nn.Module):
+    """Units whose backward reads their parameters and units whose backward does not
+    ([Note: backward without parameters] in zerodp/params/saved.py): an embedding, a shift, a
+    scale, a linear checkpointed inside its unit and an MLP block; the head is in the root."""
+
+    UNITS = ("Embedding", "Shift", "Scale", "Recomputed", "Block")
+
+    def __init__(self, vocab: int = 13, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.shift = Shift(d)
+        self.scale = Scale(d)
+        self.inner = Recomputed(d)
+        self.block = Block(d, 12)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.inner(self.scale(self.shift(self.emb(ids)))))
+        return self.head(h)

@@ -215,14 +215,14 @@ def expected_traffic(stage: int, n: int, first: bool = False) -> dict[str, int]:
         if stage == 0:
             return {"all_reduce": psi}
         return {"reduce_scatter": psi, "all_gather": psi}
-    root, fc2 = _padded([bias], n), _padded([fc2_w], n)
-    units = _padded([fc1_b, fc1_w], n) + fc2
-    # The Linear units are gathered in forward and again in backward, the root once (it is held
-    # until the end of backward, params/hooks.py), and after the first step (which records the
-    # order) fc2, the last unit of the forward, once (kept into the backward:
-    # Stage3.keep_last_units); each is reduce-scattered once.
+    root, fc1, fc2 = _padded([bias], n), _padded([fc1_b, fc1_w], n), _padded([fc2_w], n)
+    # fc2 is gathered in forward and again in backward, the root once (it is held until the end
+    # of backward, params/hooks.py), and after the first step (which records the order) fc2,
+    # the last unit of the forward, once (kept into the backward: Stage3.keep_last_units). fc1
+    # once: its input needs no gradient, so its backward reads no parameter ([Note: backward
+    # without parameters] in params/saved.py). Each is reduce-scattered once.
     kept = 0 if first else fc2
-    return {"all_gather": root + 2 * units - kept, "reduce_scatter": root + units}
+    return {"all_gather": root + fc1 + 2 * fc2 - kept, "reduce_scatter": root + fc1 + fc2}
 
 
 def check_tp_mlp(out: list[dict[str, Any]], stage: int) -> None:

@@ -37,15 +37,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerodp.activations.scope import recompute_scope
+from zerodp.activations.scope import ORIGINAL_FORWARD, is_checkpointed, recompute_scope
 from zerodp.activations.store import CheckpointStore, Slot
 from zerodp.params.tree import tensors_in
-
-_ORIGINAL = "_zerodp_checkpointed_forward"
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    return _ORIGINAL in module.__dict__
 
 
 def checkpoint_wrapper(module: nn.Module, offload: CheckpointStore | None = None) -> nn.Module:
@@ -60,7 +54,7 @@ def checkpoint_wrapper(module: nn.Module, offload: CheckpointStore | None = None
             "twice, or a class named in ZeroConfig.activations.checkpoint as well)"
         )
     original = module.forward
-    module.__dict__[_ORIGINAL] = original
+    module.__dict__[ORIGINAL_FORWARD] = original
     wrapped = functools.partial(_checkpointed, original, offload)
     module.forward = functools.wraps(original)(wrapped)
     return module
@@ -78,7 +72,7 @@ def uncheckpoint(module: nn.Module) -> None:
     """Undo ``checkpoint_wrapper``: the module's forward is its class's again."""
     if not is_checkpointed(module):
         return
-    del module.__dict__[_ORIGINAL]
+    del module.__dict__[ORIGINAL_FORWARD]
     del module.__dict__["forward"]
 
 

@@ -26,7 +26,9 @@ Reads: a parameter of an attached unit ([Note: units]) read while the root is he
 unit on demand (``gather_on_read``), which is then held as long as the root.
 Backward:
   pre-backward (a hook on the unit's forward outputs; fires before the unit's backward runs):
-         gather the unit, prefetch the next units of the recorded backward order.
+         gather the unit, prefetch the next units of the recorded backward order; a unit whose
+         backward reads none of its parameters is neither ([Note: backward without parameters]
+         in saved.py).
   post-backward (``PostBackward``, an identity autograd function on the unit's inputs; runs once
          the gradients w.r.t. the inputs exist, i.e. after the unit's backward, and after the
          ``AccumulateGrad`` of its parameters, which the engine runs first): after the last call
@@ -95,6 +97,7 @@ from zerodp.params.extras import ScheduleExtras
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
+from zerodp.params.saved import begin_forward, end_forward
 from zerodp.params.tree import map_tensors, tensors_in
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
 
@@ -184,6 +187,7 @@ class Schedule:
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if recomputing():  # [Note: recompute]
+            unit.read_in_backward = True  # [Note: backward without parameters] in saved.py
             self._use(unit)
             unit.active += 1
             unit.recomputed = True
@@ -201,6 +205,8 @@ class Schedule:
         if unit is self.root and unit.state is UnitState.RELEASED:
             self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
+        if unit.segments and not unit.active and torch.is_grad_enabled():
+            begin_forward(unit)
         unit.active += 1
         unit.touched = True
         self.trace("forward", unit)
@@ -225,10 +231,13 @@ class Schedule:
             return
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled():
+            if not unit.active:
+                end_forward(unit)
             for t in outs:
                 t.register_hook(partial(self._pre_backward, unit))
             unit.hooked = unit.hooked or bool(outs)
-            unit.carried = unit.carried or bool(outs and unit.index in self._carry)
+            kept = outs and unit.index in self._carry and unit.backward_reads is not False
+            unit.carried = unit.carried or bool(kept)
         if unit is self.root and unit.active == 0:
             # A forward that exchanged nothing (every unit it used was held) has nothing to
             # tell apart: its marker must not land on some later, unrelated exchange.
@@ -265,14 +274,17 @@ class Schedule:
         if unit.in_backward or unit.reduced:  # several outputs, or a unit called twice
             return
         unit.in_backward = True
-        upcoming = self.bwd.visit(unit.index) if unit.segments else []
-        wanted = [self.units[i] for i in upcoming]
-        plan = self._deferred_plan() + Gatherer.start_plan(unit)
+        # [Note: backward without parameters] in saved.py: not gathered, not in the order.
+        unit.skipped = unit.backward_reads is False
+        upcoming = self.bwd.visit(unit.index) if unit.segments and not unit.skipped else []
+        wanted = [self.units[i] for i in upcoming if self.units[i].backward_reads is not False]
+        plan = self._deferred_plan() + ([] if unit.skipped else Gatherer.start_plan(unit))
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
         self._flush_deferred(self._approve(plan))
-        self._use(unit)
-        self.trace("backward", unit)
-        if unit.segments:
+        if not unit.skipped:
+            self._use(unit)
+        self.trace("backward_skip" if unit.skipped else "backward", unit)
+        if unit.segments and not unit.skipped:
             self._prefetch_units(wanted)
 
     def post_backward(self, unit: Unit) -> None:
@@ -333,7 +345,8 @@ class Schedule:
         self.check.backwards += 1
         self.grads.open_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.bwd.begin(guess=self.fwd.last[::-1])
+        read = [i for i in self.fwd.last[::-1] if self.units[i].backward_reads is not False]
+        self.bwd.begin(guess=read)
 
     def _end_backward(self) -> None:
         if self.grads.sync_enabled:
@@ -402,6 +415,12 @@ class Schedule:
         root, [Note: units]) read while the root is held (its forward, or kept until the end of
         backward) is gathered now, on every rank alike since every rank runs the same root
         forward and loss, and held as long as the root is. Returns whether it was gathered."""
+        if unit.skipped and unit.in_backward:  # [Note: backward without parameters]
+            unit.read_in_backward = True
+            self.bwd.visit(unit.index)  # in the order the next backward predicts
+            self._use(unit)  # held: in its backward
+            self.trace("read", unit)
+            return True
         if not unit.spec.attached:
             return False
         parent = self.units[unit.spec.parent] if unit.spec.parent is not None else None
@@ -465,5 +484,6 @@ class Schedule:
             unit.ready_grads = 0
             unit.untracked = False
             unit.prefetched = False
+            unit.refs, unit.backward_reads, unit.skipped = None, None, False
             unit.touched = False
             self.maybe_release(unit)

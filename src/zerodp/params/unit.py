@@ -61,6 +61,14 @@ class Unit:
     # tells when its backward is done: the gradients are complete when every parameter's
     # AccumulateGrad ran ([Note: stage-3 schedule] in hooks.py, "grad ready").
     untracked: bool = False
+    # [Note: backward without parameters] in saved.py. Per pass: reference counts at the start
+    # of its outermost forward call, whether its backward reads its parameters (None: not
+    # measured, so it does) and whether its backward all-gather was skipped. For good: a
+    # backward read them through the parameters although the forward left no reference.
+    refs: object | None = None  # saved.Holds
+    backward_reads: bool | None = None
+    skipped: bool = False
+    read_in_backward: bool = False
 
     @property
     def index(self) -> int:

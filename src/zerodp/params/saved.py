@@ -1,0 +1,111 @@
+"""Whether a unit's backward reads its parameters, so that the backward all-gather of a unit whose
+backward does not is skipped.
+
+[Note: backward without parameters]
+A unit's backward needs its gathered parameters only where its forward left something that
+refers to them: autograd's saved tensors (``linear`` saves ``weight.t()``, ``layer_norm`` the
+weight itself) or anything else kept (a view cached on the module). An embedding lookup saves
+only the indices, ``x + bias`` saves nothing: such a unit's gradients are computed without its
+parameters, so its pre-backward hook does not gather it (``Schedule._pre_backward``); the
+gradients still arrive through ``AccumulateGrad`` and the unit is reduce-scattered after its
+backward as any other. Traffic: 3Ψ - Ψ_kept - Ψ_skipped per step.
+
+It is measured on every training forward of the unit, from reference counts rather than from
+saved-tensor hooks: hooks that another layer pushed inside the unit's forward (a checkpoint,
+``save_on_cpu``, zerodp's offload) would hide the saved tensors from ours, and a parameter
+saved as itself (a leaf, by ``layer_norm`` or ``mul``) is no new reference to its storage. So
+at the start of the unit's outermost forward call and at its end, per segment, the use count of
+the full buffer's storage (views saved or kept hold it) and of each parameter's tensor (a saved
+leaf holds it; so does a view's record of its base). ``AccumulateGrad``, which the graph holds
+for each parameter used with a gradient, holds the parameter too: it is fetched (or made) at
+the start and held until the end, so the forward adds none and any rise means the backward may
+read the parameter. A parameter referenced by more than itself and its accumulator at the start
+(a graph of an earlier forward that saved it and is still alive) is counted as read, as is every
+parameter of a unit that runs inside a recompute or under saved-tensor hooks (its recompute
+will read it; so are checkpointed units). A unit whose parameters a backward nevertheless reads
+through the parameter (a checkpoint inside the unit's module recomputes it) is gathered on demand
+there (``Schedule.gather_on_read``), blocking, and counted as read in every later step.
+
+Every rank measures the same graph, so every rank skips the same units; where they do not, the
+order check sees different plans as for any other difference ([Note: merged plans]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from zerodp.activations.scope import is_checkpointed
+from zerodp.params.segment import ShardedSegment
+from zerodp.params.unit import Unit
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What one forward call of a unit started with (see the note)."""
+
+    counts: tuple[int, ...]  # per segment: the buffer's storage, then each parameter
+    accumulators: list[Any]  # AccumulateGrad of each parameter that requires grad, held
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _counts(segments: list[ShardedSegment]) -> tuple[int, ...]:
+    out: list[int] = []
+    for seg in segments:
+        out.append(_storage_uses(seg.param_buffer))
+        out.extend(p._use_count() for p in seg.params)  # type: ignore[attr-defined]
+    return tuple(out)
+
+
+def hooks_active() -> bool:
+    """Saved-tensor hooks (a checkpoint, an offload) are in effect: what is saved now may be
+    recomputed from the parameters in the backward."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+# Private torch entry points the counts need; without them every backward gathers, as before.
+_AVAILABLE = all(
+    (
+        hasattr(torch._C, "_storage_Use_Count"),
+        hasattr(torch.Tensor, "_use_count"),
+        hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
+    )
+)
+
+
+def begin_forward(unit: Unit) -> None:
+    """The outermost training forward call of gathered ``unit`` starts. Bypasses the
+    parameters' read guard: no value is read."""
+    if not _AVAILABLE or unit.read_in_backward or hooks_active() or is_checkpointed(unit.module):
+        unit.backward_reads, unit.refs = True, None
+        return
+    params = [p for seg in unit.segments for p in seg.params]
+    with torch._C.DisableTorchFunctionSubclass():
+        accumulators = [get_gradient_edge(p).node for p in params if p.requires_grad]
+        holds = Holds(_counts(unit.segments), accumulators)
+    at = 0
+    for seg in unit.segments:
+        expected = [1 + p.requires_grad for p in seg.params]
+        if any(c > e for c, e in zip(holds.counts[at + 1 :], expected, strict=False)):
+            unit.backward_reads, unit.refs = True, None  # saved by a graph still alive
+            return
+        at += len(seg.params) + 1
+    unit.refs = holds
+
+
+def end_forward(unit: Unit) -> None:
+    """The call ``begin_forward`` saw start ended: whether the backward reads the parameters."""
+    holds = unit.refs
+    if not isinstance(holds, Holds):
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        end = _counts(unit.segments)
+    unit.refs = None
+    reads = any(e > s for e, s in zip(end, holds.counts, strict=True))
+    unit.backward_reads = bool(unit.backward_reads) or reads

@@ -1,0 +1,184 @@
+"""Stage 3 skips the backward all-gather of units whose backward reads none of their parameters
+([Note: backward without parameters] in zerodp/params/saved.py), measured from what the forward
+left referenced, not from module types: traffic exact, training equal to an unsharded model's,
+on our models, the GPT and a Hugging Face Llama."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import build, global_batches, hf_loss
+from stage3_models import Parts
+from torch import nn
+from zerotest import assert_close, make_pair, rank_world, reference_step, sgd_momentum
+
+import zerodp
+from zerodp import Stage3
+
+TIMEOUT = 120.0
+STEPS = 3
+
+Loss = Callable[[nn.Module, int], torch.Tensor]
+
+
+def _train(
+    factory: Callable[[], nn.Module],
+    units: tuple[str, ...],
+    losses: Callable[[int, int], Loss],
+    around: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+) -> dict:
+    """``STEPS`` SGD-momentum steps against the unsharded reference; each step's trace and
+    traffic, the worst relative error and every unit's padded size by label."""
+    rank, world = rank_world()
+    cfg = zerodp.ZeroConfig(stage=3, stage3=Stage3(unit_classes=units))
+    pair = make_pair(factory, sgd_momentum, cfg)
+    sharded = pair.opt.engine.params
+    assert sharded is not None
+    traces, elements, worst = [], [], 0.0
+    for step in range(STEPS):
+        loss = losses(step, world)
+        reference_step(pair, loss, world)
+        sharded.trace.events = []
+        with around():
+            out = loss(pair.model, rank)
+        out.backward()
+        traces.append(sharded.trace.events)
+        sharded.trace.events = None
+        pair.opt.step()
+        stats = pair.opt.comm_stats()
+        assert stats is not None
+        elements.append(stats.elements)
+        pair.opt.zero_grad()
+        worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
+    return {
+        "worst": worst,
+        "traces": traces,
+        "elements": elements,
+        "units": {u.label: sum(s.layout.padded_numel for s in u.segments) for u in sharded.units},
+    }
+
+
+def _parts_loss(step: int, world: int) -> Loss:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 13, (world, 3, 5), generator=g)
+    targets = torch.randint(0, 13, (world, 3, 5), generator=g)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return F.cross_entropy(m(ids[r]).flatten(0, 1), targets[r].flatten())
+
+    return loss
+
+
+def _backward_events(trace: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    end = trace.index(("forward_end", "<root Parts>"))
+    kinds = ("gather", "read", "backward", "backward_skip")
+    return [e for e in trace[end:] if e[0] in kinds and e[1] != "<root Parts>"]
+
+
+def test_units_whose_backward_reads_no_parameter_are_not_gathered(world):
+    """The embedding (saves the indices) and the shift (``add`` saves nothing) are never
+    gathered in the backward; the scale (``mul`` saves the parameter itself) and the block
+    (``linear`` saves views) are. The linear checkpointed inside ``inner`` left nothing, so the
+    first backward skips it, and its recompute reads the parameters: gathered on demand there,
+    and in every later backward as usual. Traffic over 3 steps: every unit once per forward,
+    scale and inner once per backward, the block in the first backward only (then kept into
+    the backward from its forward, Stage3.keep_last_units); every unit reduce-scattered once."""
+    for o in world(2).run(_train, Parts, Parts.UNITS, _parts_loss, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        u = o["units"]
+        assert list(u) == ["<root Parts>", "emb", "shift", "scale", "inner", "block"]
+        every = sum(u.values())
+        again = u["scale"] + u["inner"]
+        assert o["elements"] == [
+            {"all_gather": every + again + u["block"], "reduce_scatter": every},
+            *[{"all_gather": every + again, "reduce_scatter": every}] * (STEPS - 1),
+        ]
+        first, *later = (_backward_events(t) for t in o["traces"])
+        assert first == [
+            ("gather", "block"),
+            ("backward", "block"),
+            ("gather", "scale"),  # prefetched: inner is not in the backward's order
+            ("backward_skip", "inner"),
+            ("gather", "inner"),
+            ("read", "inner"),
+            ("backward", "scale"),
+            ("backward_skip", "shift"),
+            ("backward_skip", "emb"),
+        ], first
+        for trace in later:
+            assert trace == [
+                ("backward", "block"),
+                ("gather", "inner"),
+                ("backward", "inner"),
+                ("gather", "scale"),
+                ("backward", "scale"),
+                ("backward_skip", "shift"),
+                ("backward_skip", "emb"),
+            ], trace
+
+
+def test_saved_tensor_hooks_keep_every_backward_gather(world):
+    """Under saved-tensor hooks (``save_on_cpu``, which on the CPU keeps the tensors as they
+    are) whatever the forward saves may be read through them: every unit is gathered in the
+    backward, and training still matches."""
+    hooks = torch.autograd.graph.save_on_cpu
+    for o in world(2).run(_train, Parts, Parts.UNITS, _parts_loss, hooks, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        u = o["units"]
+        again = u["emb"] + u["shift"] + u["scale"] + u["inner"]
+        gathers = [e["all_gather"] for e in o["elements"]]
+        every = sum(u.values()) + again
+        assert gathers == [every + u["block"]] + [every] * (STEPS - 1)
+        for trace in o["traces"]:
+            assert not [e for e in trace if e[0] == "backward_skip"], trace
+
+
+def _gpt() -> nn.Module:
+    from zerodp.apps.models.gpt import GPT, get_config
+
+    return GPT(get_config("tiny", tie_embeddings=False))
+
+
+def _gpt_loss(step: int, world: int) -> Loss:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return m(tokens[r][:, :-1], tokens[r][:, 1:])[1]
+
+    return loss
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_embeddings_as_units_skip_the_backward_gather(world, model):
+    """Token (and position) embeddings made units of their own: gathered once per step, in
+    the forward; the blocks twice but the last one, kept into the backward from the second
+    step on. Training matches the unsharded model."""
+    if model == "gpt":
+        run = (_gpt, ("Embedding", "Block"), _gpt_loss)
+        embeddings = ["wte", "wpe"]
+    else:
+        pytest.importorskip("transformers")
+        run = (partial(build, "llama"), ("Embedding", "LlamaDecoderLayer"), _hf_loss)
+        embeddings = ["model.embed_tokens"]
+    for o in world(2).run(_train, *run, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        u = o["units"]
+        blocks = [n for n in u if n not in embeddings and not n.startswith("<root")]
+        assert len(blocks) == 2 and all(n in u for n in embeddings)
+        every = sum(u.values()) + sum(u[n] for n in blocks)
+        gathers = [e["all_gather"] for e in o["elements"]]
+        assert gathers == [every] + [every - u[blocks[-1]]] * (STEPS - 1)
+        for trace in o["traces"]:
+            for name in embeddings:
+                assert trace.count(("backward_skip", name)) == 1, trace
+                assert trace.count(("gather", name)) == 1, trace
+
+
+def _hf_loss(step: int, world: int) -> Loss:
+    return hf_loss(global_batches("llama", step, world))
