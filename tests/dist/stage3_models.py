@@ -225,6 +225,35 @@ class Recomputed(nn.Module):
         return torch.tanh(out)
 
 
+class Maybe(nn.Module):
+    """Adds a bias, then multiplies by a scale only when told: whether its backward reads a
+    parameter depends on the call (on the rank's data)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, d))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor, scaled: bool) -> torch.Tensor:
+        x = x + self.bias
+        return x * self.scale if scaled else x
+
+
+class Switch(nn.Module):
+    """An embedding, a ``Maybe`` and a head: ``scaled`` picks the branch."""
+
+    UNITS = ("Embedding", "Maybe")
+
+    def __init__(self, vocab: int = 13, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.maybe = Maybe(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+        return self.head(torch.tanh(self.maybe(self.emb(ids), scaled)))
+
+
 class Parts(nn.Module):
     """Units whose backward reads their parameters and units whose backward does not
     ([Note: backward without parameters] in zerodp/params/saved.py): an embedding, a shift, a

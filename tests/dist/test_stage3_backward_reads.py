@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import build, global_batches, hf_loss
-from stage3_models import Parts
+from stage3_models import Parts, Switch
 from torch import nn
 from zerotest import assert_close, make_pair, rank_world, reference_step, sgd_momentum
 
@@ -31,15 +31,17 @@ def _train(
     units: tuple[str, ...],
     losses: Callable[[int, int], Loss],
     around: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+    **stage3: object,
 ) -> dict:
     """``STEPS`` SGD-momentum steps against the unsharded reference; each step's trace and
-    traffic, the worst relative error and every unit's padded size by label."""
+    traffic (model data, and control calls), the worst relative error and every unit's padded
+    size by label. ``stage3``: more fields of ``Stage3``."""
     rank, world = rank_world()
-    cfg = zerodp.ZeroConfig(stage=3, stage3=Stage3(unit_classes=units))
+    cfg = zerodp.ZeroConfig(stage=3, stage3=Stage3(unit_classes=units, **stage3))
     pair = make_pair(factory, sgd_momentum, cfg)
     sharded = pair.opt.engine.params
     assert sharded is not None
-    traces, elements, worst = [], [], 0.0
+    traces, elements, control, worst = [], [], [], 0.0
     for step in range(STEPS):
         loss = losses(step, world)
         reference_step(pair, loss, world)
@@ -53,12 +55,15 @@ def _train(
         stats = pair.opt.comm_stats()
         assert stats is not None
         elements.append(stats.elements)
+        control.append(stats.control_calls)
         pair.opt.zero_grad()
         worst = max(worst, assert_close(pair.model, pair.ref, what=f"step {step}"))
     return {
         "worst": worst,
         "traces": traces,
         "elements": elements,
+        "control_calls": control,
+        "merges": sharded.check.merges,
         "units": {u.label: sum(s.layout.padded_numel for s in u.segments) for u in sharded.units},
     }
 
@@ -182,3 +187,62 @@ def test_embeddings_as_units_skip_the_backward_gather(world, model):
 
 def _hf_loss(step: int, world: int) -> Loss:
     return hf_loss(global_batches("llama", step, world))
+
+
+def _switch_loss(step: int, world: int) -> Loss:
+    """Rank 0 takes the scaled branch, the other ranks do not."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 13, (world, 3, 5), generator=g)
+    targets = torch.randint(0, 13, (world, 3, 5), generator=g)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return F.cross_entropy(m(ids[r], scaled=r == 0).flatten(0, 1), targets[r].flatten())
+
+    return loss
+
+
+def test_ranks_whose_backwards_read_differently_agree(world):
+    """``maybe`` saves its scale on rank 0 only (the data decides): every rank gathers it for
+    the backward (and keeps it from its forward, the last unit, from the second step), so the
+    collectives match without merging plans and training is that of the unsharded model; the
+    embedding, read by no rank's backward, is skipped on every rank."""
+    out = world(2).run(_train, Switch, Switch.UNITS, _switch_loss, timeout=TIMEOUT)
+    assert out[0]["elements"] == out[1]["elements"]
+    for o in out:
+        assert o["worst"] <= 1e-6
+        assert o["merges"] == 0
+        for trace in o["traces"]:
+            assert trace.count(("backward", "maybe")) == 1, trace
+            assert trace.count(("backward_skip", "emb")) == 1, trace
+            assert not [e for e in trace if e == ("backward_skip", "maybe")], trace
+
+
+def test_opt_out_and_the_cost_of_agreeing(world):
+    """``Stage3.skip_backward_gathers=False`` gathers every unit for its backward. With it on,
+    each backward first agrees (one blocking exchange, one all-reduce of a vote per unit: two
+    control calls): on ``Parts`` every step; on the GPT, whose units all read their weights,
+    the first step only, after which nothing is measured or agreed."""
+    on, off = (
+        world(2).run(_train, Parts, Parts.UNITS, _parts_loss, skip_backward_gathers=s)
+        for s in (True, False)
+    )
+    for a, b in zip(on, off, strict=True):
+        assert b["worst"] <= 1e-6
+        u = b["units"]
+        every = sum(u.values())
+        again = every - u["<root Parts>"]  # every unit but the root, then the block kept
+        gathers = [e["all_gather"] for e in b["elements"]]
+        assert gathers == [every + again] + [every + again - u["block"]] * (STEPS - 1)
+        for trace in b["traces"]:
+            assert not [e for e in trace if e[0] == "backward_skip"], trace
+        # The agreement, every step; in the first, the exchange of inner's gather on demand too.
+        diff = [x - y for x, y in zip(a["control_calls"], b["control_calls"], strict=True)]
+        assert diff == [3] + [2] * (STEPS - 1), diff
+    on, off = (
+        world(2).run(_train, _gpt, ("Block",), _gpt_loss, skip_backward_gathers=s)
+        for s in (True, False)
+    )
+    for a, b in zip(on, off, strict=True):
+        assert a["elements"] == b["elements"]
+        diff = [x - y for x, y in zip(a["control_calls"], b["control_calls"], strict=True)]
+        assert diff == [2] + [0] * (STEPS - 1), diff

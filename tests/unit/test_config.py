@@ -126,6 +126,10 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], message: str) -> 
             "ZeroConfig.stage3.keep_last_units must be a non-negative integer; got -1",
         ),
         (
+            lambda: Stage3(skip_backward_gathers=1),
+            "ZeroConfig.stage3.skip_backward_gathers must be True or False; got 1",
+        ),
+        (
             lambda: Stage3(persist_numel=False),
             "ZeroConfig.stage3.persist_numel must be a non-negative integer; got False",
         ),
@@ -237,6 +241,7 @@ NON_DEFAULT = ZeroConfig(
         leaf_unit_min_numel=6,
         prefetch_depth=2,
         keep_last_units=2,
+        skip_backward_gathers=False,
         persist_numel=100,
         check_unit_order=False,
     ),
@@ -322,7 +327,7 @@ def test_partial_nested_dicts_keep_the_other_defaults() -> None:
             {"stage3": {"prefetch": 2}},
             "ZeroConfig.stage3 got unknown field(s) ['prefetch']; allowed fields: "
             "['check_unit_order', 'keep_last_units', 'leaf_unit_min_numel', 'persist_numel', "
-            "'prefetch_depth', "
+            "'prefetch_depth', 'skip_backward_gathers', "
             "'unit_classes', 'unit_min_numel']",
         ),
         ({"stage3": 2}, "ZeroConfig.stage3 must be a Stage3; got 2"),
@@ -547,7 +552,8 @@ def test_a_config_saved_by_0_1_reads_as_nested_without_warnings() -> None:
         assert ZeroConfig.from_dict(nested) == expected
     later = {"offload", "activations"}  # policies added after 0.1: their defaults
     want = {k: v for k, v in expected.to_dict().items() if k not in later}
-    want["stage3"].pop("keep_last_units")  # a field added after 0.1: its default
+    for field in ("keep_last_units", "skip_backward_gathers"):  # added after 0.1: defaults
+        want["stage3"].pop(field)
     assert json.loads(json.dumps(nested)) == json.loads(json.dumps(want))
     with pytest.warns(DeprecationWarning) as record:  # a user's flat dict: warned, name by name
         assert ZeroConfig.from_dict(SAVED_BY_0_1) == expected

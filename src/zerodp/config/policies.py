@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from zerodp.config.checks import (
+    check_bool,
     check_choice,
     check_class_names,
     check_in_range,
@@ -147,6 +148,14 @@ class Stage3(Policy):
     step. At most ``prefetch_depth`` of them are kept, so the bound on gathered parameters does
     not change ([Note: keeping the last units] in params/hooks.py); 0 re-gathers them."""
 
+    skip_backward_gathers: bool = True
+    """Do not all-gather for its backward a unit whose backward reads none of its parameters
+    (an embedding lookup saves only the indices; ``x + bias`` saves nothing), measured from what
+    each forward left referenced and agreed by every rank ([Note: backward without parameters]
+    in params/saved.py). ``False`` gathers every unit for its backward: for a custom autograd
+    function whose backward reads a parameter through a raw pointer (``ctx.weight = weight``
+    and a Triton kernel), which no reference shows."""
+
     persist_numel: int = 0
     """Trainable parameters with at most this many elements stay replicated (*persistent*):
     never released, so readable anywhere. [Note: persistent parameters] Their gradients are
@@ -173,6 +182,7 @@ class Stage3(Policy):
         check_non_negative_int(self, "leaf_unit_min_numel")
         check_non_negative_int(self, "prefetch_depth")
         check_non_negative_int(self, "keep_last_units")
+        check_bool(self, "skip_backward_gathers")
         check_non_negative_int(self, "persist_numel")
         order = self.check_unit_order
         if not (isinstance(order, bool) or order == "exchange"):

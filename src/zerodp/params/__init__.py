@@ -1,7 +1,8 @@
 """Stage 3: parameters sharded at rest, gathered per unit just in time.
 
 Files, top-down: ``manager`` (the engine's entry point and accounting), ``hooks`` (the schedule:
-[Note: stage-3 schedule]), ``prefetch`` ([Note: prefetch]), ``unit`` (a unit's lifecycle and its
+[Note: stage-3 schedule]), ``saved`` ([Note: backward without parameters]: which units the
+backward need not gather), ``prefetch`` ([Note: prefetch]), ``unit`` (a unit's lifecycle and its
 all-gathers), ``reduce`` (its reduce-scatters: [Note: stage-3 reduce chunks]), ``order``
 (divergence checks), ``segment`` ([Note: sharded storage]), ``access`` (refusing reads of
 released parameters), ``policy`` ([Note: units]), ``build`` ([Note: sharded construction]),

@@ -97,7 +97,7 @@ from zerodp.params.extras import ScheduleExtras
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
-from zerodp.params.saved import begin_forward, end_forward
+from zerodp.params.saved import agree, begin_forward, end_forward
 from zerodp.params.tree import map_tensors, tensors_in
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
 
@@ -133,9 +133,13 @@ class Schedule:
         trace: Trace,
         *,
         keep: int = 0,
+        skip_gathers: bool = True,
     ) -> None:
         self.units = units
         self.keep = keep  # [Note: keeping the last units]
+        # [Note: backward without parameters] in saved.py: measured and agreed until an
+        # agreement finds no unit any rank could skip.
+        self._measure = skip_gathers
         self._carry: set[int] = set()
         self.root = units[0]
         self.gatherer = gatherer
@@ -205,7 +209,7 @@ class Schedule:
         if unit is self.root and unit.state is UnitState.RELEASED:
             self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
-        if unit.segments and not unit.active and torch.is_grad_enabled():
+        if self._measure and unit.segments and not unit.active and torch.is_grad_enabled():
             begin_forward(unit)
         unit.active += 1
         unit.touched = True
@@ -229,15 +233,16 @@ class Schedule:
         unit.active -= 1
         if recomputing():  # held until its backward, which comes next ([Note: recompute])
             return
+        if not unit.active:
+            end_forward(unit)
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled():
-            if not unit.active:
-                end_forward(unit)
             for t in outs:
                 t.register_hook(partial(self._pre_backward, unit))
             unit.hooked = unit.hooked or bool(outs)
-            kept = outs and unit.index in self._carry and unit.backward_reads is not False
-            unit.carried = unit.carried or bool(kept)
+            # Kept whatever this rank measured: a decision every rank takes alike (the ranks
+            # agree on the skips only when the backward starts).
+            unit.carried = unit.carried or bool(outs and unit.index in self._carry)
         if unit is self.root and unit.active == 0:
             # A forward that exchanged nothing (every unit it used was held) has nothing to
             # tell apart: its marker must not land on some later, unrelated exchange.
@@ -345,6 +350,8 @@ class Schedule:
         self.check.backwards += 1
         self.grads.open_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._measure:
+            self._measure = agree(self.units, self.check)
         read = [i for i in self.fwd.last[::-1] if self.units[i].backward_reads is not False]
         self.bwd.begin(guess=read)
 

@@ -71,6 +71,7 @@ class ShardedParams:
         self.plan = plan
         self.depth = policy.prefetch_depth
         self.keep = min(policy.keep_last_units, policy.prefetch_depth)  # within the bound
+        self.skip_gathers = policy.skip_backward_gathers
         self.uplan = plan_units(
             model,
             policy.unit_classes,
@@ -173,6 +174,7 @@ class ShardedParams:
             self.persistent_seg_ids,
             self.trace,
             keep=self.keep,
+            skip_gathers=self.skip_gathers,
         )
         params: list[tuple[nn.Parameter, str, Unit | None]] = []
         for u in self.units:

@@ -17,6 +17,7 @@ class Op(enum.IntEnum):
     STEP = 3
     BUFFERS = 7  # the broadcast of the root's buffers before a training forward
     CHECKPOINT = 8  # save_checkpoint / load_checkpoint's first exchange
+    SKIPS = 9  # a backward's agreement on the gathers it skips ([Note: backward without ...])
     # Markers (``OrderCheck.mark``): no collective of their own; what a rank starts, agreed on
     # in the next exchange ([Note: inference] in hooks.py).
     TRAIN = 4
@@ -26,7 +27,16 @@ class Op(enum.IntEnum):
 
 Item = tuple[Op, int]
 
-_UNLABELLED = (Op.STEP, Op.NOTHING, Op.TRAIN, Op.INFER, Op.GENERATE, Op.BUFFERS, Op.CHECKPOINT)
+_UNLABELLED = (
+    Op.STEP,
+    Op.NOTHING,
+    Op.TRAIN,
+    Op.INFER,
+    Op.GENERATE,
+    Op.BUFFERS,
+    Op.CHECKPOINT,
+    Op.SKIPS,
+)
 
 _VERBS = {
     Op.NOTHING: "issues nothing more",
@@ -38,6 +48,7 @@ _VERBS = {
     Op.GENERATE: "starts model.generate",
     Op.BUFFERS: "broadcasts the module buffers",
     Op.CHECKPOINT: "saves or loads a checkpoint",
+    Op.SKIPS: "starts a backward",
 }
 
 _INFERENCE_HINT = (

@@ -31,9 +31,10 @@ same exposure one collective earlier. A rank whose program ends (no further exch
 ``WINDOW`` exchanges of a divergence leaves the rank that parted waiting in its padding until
 the watchdog names it.
 
-Barriers (the step, the buffer broadcast, checkpoints, plans longer than one row) always
-exchange blocking, after every older row is checked; padding stops before them. A merge turns
-replay off for good (ranks that run different units: MoE routing), as does any divergence;
+Barriers (the step, the buffer broadcast, checkpoints, the skipped gathers of a backward, plans
+longer than one row) always exchange blocking, after every older row is checked; padding stops
+before them. A merge turns replay off for good (ranks that run different units: MoE routing),
+as does any divergence;
 ``Stage3.check_unit_order="exchange"`` never replays, for models whose ranks run the same
 units for many steps and then differ (they must be merged, not refused).
 """
@@ -60,7 +61,7 @@ MAX_ENTRIES = 1 << 16
 
 Entry = tuple[int, tuple[Item, ...]]  # marker, plan
 
-_BARRIER_OPS = (Op.STEP, Op.BUFFERS, Op.CHECKPOINT)
+_BARRIER_OPS = (Op.STEP, Op.BUFFERS, Op.CHECKPOINT, Op.SKIPS)
 
 
 def is_barrier(plan: tuple[Item, ...]) -> bool:

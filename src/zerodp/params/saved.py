@@ -26,8 +26,19 @@ will read it; so are checkpointed units). A unit whose parameters a backward nev
 through the parameter (a checkpoint inside the unit's module recomputes it) is gathered on demand
 there (``Schedule.gather_on_read``), blocking, and counted as read in every later step.
 
-Every rank measures the same graph, so every rank skips the same units; where they do not, the
-order check sees different plans as for any other difference ([Note: merged plans]).
+Where the graph depends on the data (a parameter multiplied in on some batches only), ranks
+measure differently, and a unit gathered on one rank and skipped on another would leave their
+collectives unmatched. So the ranks agree at the start of each backward (``agree``: a barrier
+of the order check, then one all-reduce of one integer per unit): a unit is skipped only where
+no rank reads it. Once an agreement finds no unit any rank could skip (most models: every unit
+saves a weight), later backwards gather every unit without agreeing again.
+
+Not seen: a reference no count shows, i.e. a saved-tensor hook pushed *inside* the unit's
+forward that keeps the parameter's Python object (``save_on_cpu`` on CPU tensors returns the
+tensor itself), or a custom autograd function that keeps ``ctx.weight = weight`` as a Python
+attribute and reads it through a raw pointer in its backward (a Triton kernel): such a backward
+reads the released placeholder (NaN). ``Stage3.skip_backward_gathers=False`` gathers every
+unit for its backward, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from zerodp.activations.scope import is_checkpointed
+from zerodp.params.order import Op, OrderCheck
 from zerodp.params.segment import ShardedSegment
 from zerodp.params.unit import Unit
 
@@ -109,3 +121,21 @@ def end_forward(unit: Unit) -> None:
     unit.refs = None
     reads = any(e > s for e, s in zip(end, holds.counts, strict=True))
     unit.backward_reads = bool(unit.backward_reads) or reads
+
+
+def agree(units: list[Unit], check: OrderCheck) -> bool:
+    """At the start of a backward: every rank keeps ``backward_reads`` False only for the units
+    no rank reads (see the note). Returns whether any rank could have skipped any unit."""
+    world = check.comm.world_size
+    if world == 1:
+        return True
+    check(Op.SKIPS)
+    votes = torch.tensor(
+        [int(u.backward_reads is False) for u in units], dtype=torch.int32, device=check.device
+    )
+    check.comm.all_reduce_control(votes)
+    agreed = votes.tolist()
+    for unit, vote in zip(units, agreed, strict=True):
+        if vote < world and unit.backward_reads is False:
+            unit.backward_reads = True
+    return any(agreed)
