@@ -97,7 +97,7 @@ from zerodp.params.extras import ScheduleExtras
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
-from zerodp.params.saved import agree, begin_forward, end_forward
+from zerodp.params.saved import QUIET_AGREEMENTS, agree, begin_forward, end_forward
 from zerodp.params.tree import map_tensors, tensors_in
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
 
@@ -137,9 +137,10 @@ class Schedule:
     ) -> None:
         self.units = units
         self.keep = keep  # [Note: keeping the last units]
-        # [Note: backward without parameters] in saved.py: measured and agreed until an
-        # agreement finds no unit any rank could skip.
+        # [Note: backward without parameters] in saved.py: measured and agreed until
+        # QUIET_AGREEMENTS agreements in a row find no unit any rank could skip.
         self._measure = skip_gathers
+        self._quiet = 0
         self._carry: set[int] = set()
         self.root = units[0]
         self.gatherer = gatherer
@@ -209,7 +210,8 @@ class Schedule:
         if unit is self.root and unit.state is UnitState.RELEASED:
             self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
         self._use(unit)
-        if self._measure and unit.segments and not unit.active and torch.is_grad_enabled():
+        measure = self._measure and not self._backward_open  # not a reentrant recompute
+        if measure and unit.segments and not unit.active and torch.is_grad_enabled():
             begin_forward(unit)
         unit.active += 1
         unit.touched = True
@@ -346,12 +348,13 @@ class Schedule:
     def _open_backward(self) -> None:
         if self._backward_open:
             return
-        self._backward_open = True
         self.check.backwards += 1
+        if self._measure:  # before the backward is open: a failed agreement leaves none open
+            self._quiet = 0 if agree(self.units, self.check) else self._quiet + 1
+            self._measure = self._quiet < QUIET_AGREEMENTS
+        self._backward_open = True
         self.grads.open_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self._measure:
-            self._measure = agree(self.units, self.check)
         read = [i for i in self.fwd.last[::-1] if self.units[i].backward_reads is not False]
         self.bwd.begin(guess=read)
 

@@ -29,9 +29,13 @@ there (``Schedule.gather_on_read``), blocking, and counted as read in every late
 Where the graph depends on the data (a parameter multiplied in on some batches only), ranks
 measure differently, and a unit gathered on one rank and skipped on another would leave their
 collectives unmatched. So the ranks agree at the start of each backward (``agree``: a barrier
-of the order check, then one all-reduce of one integer per unit): a unit is skipped only where
-no rank reads it. Once an agreement finds no unit any rank could skip (most models: every unit
-saves a weight), later backwards gather every unit without agreeing again.
+of the order check, then one all-reduce of two integers per unit): a unit is skipped only where
+no rank reads it. Once ``QUIET_AGREEMENTS`` agreements in a row find no unit any rank could skip
+(most models: every unit saves a weight), later backwards gather every unit without agreeing.
+Nothing is measured while a backward runs (a reentrant checkpoint's recompute): those units
+keep what was agreed. A unit read through its parameters in a backward on some ranks only (the
+gather on demand above, where the data decides) is a collective of those ranks alone: the order
+check merges it, or raises the divergence error on every rank once steps are replayed.
 
 Not seen: a reference no count shows, i.e. a saved-tensor hook pushed *inside* the unit's
 forward that keeps the parameter's Python object (``save_on_cpu`` on CPU tensors returns the
@@ -78,8 +82,17 @@ def _counts(segments: list[ShardedSegment]) -> tuple[int, ...]:
 def hooks_active() -> bool:
     """Saved-tensor hooks (a checkpoint, an offload) are in effect: what is saved now may be
     recomputed from the parameters in the backward."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    top: Any = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False) is not None
+    except TypeError:  # releases whose binding takes no ``ignore_is_tracing``
+        return top() is not None
 
+
+QUIET_AGREEMENTS = 2
+"""Agreements in a row that find no unit any rank could skip, after which no backward measures
+or agrees again (a first backward under saved-tensor hooks, or a second one over a retained
+graph, finds none either)."""
 
 # Private torch entry points the counts need; without them every backward gathers, as before.
 _AVAILABLE = all(
@@ -125,17 +138,19 @@ def end_forward(unit: Unit) -> None:
 
 def agree(units: list[Unit], check: OrderCheck) -> bool:
     """At the start of a backward: every rank keeps ``backward_reads`` False only for the units
-    no rank reads (see the note). Returns whether any rank could have skipped any unit."""
+    no rank reads (see the note); a unit that did not run on a rank since the last backward
+    (another rank's expert) does not hold the others back. Returns whether any rank measured a
+    unit it could skip."""
     world = check.comm.world_size
     if world == 1:
         return True
     check(Op.SKIPS)
-    votes = torch.tensor(
-        [int(u.backward_reads is False) for u in units], dtype=torch.int32, device=check.device
-    )
-    check.comm.all_reduce_control(votes)
-    agreed = votes.tolist()
-    for unit, vote in zip(units, agreed, strict=True):
+    measured = [int(u.backward_reads is False) for u in units]
+    votes = [int(m or not u.touched) for m, u in zip(measured, units, strict=True)]
+    both = torch.tensor(votes + measured, dtype=torch.int32, device=check.device)
+    check.comm.all_reduce_control(both)
+    agreed = both.tolist()
+    for unit, vote in zip(units, agreed[: len(units)], strict=True):
         if vote < world and unit.backward_reads is False:
             unit.backward_reads = True
-    return any(agreed)
+    return any(agreed[len(units) :])
