@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import build, global_batches, hf_loss
+from hf_models import build, build_checkpointed, global_batches, hf_loss
 from stage3_models import Parts, Switch
 from torch import nn
 from zerotest import assert_close, make_pair, rank_world, reference_step, sgd_momentum
@@ -248,3 +248,18 @@ def test_opt_out_and_the_cost_of_agreeing(world):
         assert a["elements"] == b["elements"]
         diff = [x - y for x, y in zip(a["control_calls"], b["control_calls"], strict=True)]
         assert diff == [2] * QUIET_AGREEMENTS + [0] * (STEPS - QUIET_AGREEMENTS), diff
+
+
+def test_hugging_face_gradient_checkpointing_gathers_as_usual(world):
+    """Llama with Hugging Face's gradient checkpointing (its layers checkpoint their own
+    forward, inside the module hooks): the layers are gathered for their backward and
+    prefetched from the first step (never skipped, then read on demand by the recompute); the
+    embedding is skipped; training matches the unsharded (checkpointed) model."""
+    pytest.importorskip("transformers")
+    factory = partial(build_checkpointed, "llama", False)
+    units = ("Embedding", "LlamaDecoderLayer")
+    for o in world(2).run(_train, factory, units, _hf_loss, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        for trace in o["traces"]:
+            skipped = [e for e in trace if e[0] in ("backward_skip", "read")]
+            assert skipped == [("backward_skip", "model.embed_tokens")], trace

@@ -22,9 +22,11 @@ the start and held until the end, so the forward adds none and any rise means th
 read the parameter. A parameter referenced by more than itself and its accumulator at the start
 (a graph of an earlier forward that saved it and is still alive) is counted as read, as is every
 parameter of a unit that runs inside a recompute or under saved-tensor hooks (its recompute
-will read it; so are checkpointed units). A unit whose parameters a backward nevertheless reads
-through the parameter (a checkpoint inside the unit's module recomputes it) is gathered on demand
-there (``Schedule.gather_on_read``), blocking, and counted as read in every later step.
+will read it), and of a unit that checkpoints its own forward (zerodp's checkpoint wrapper,
+Hugging Face's gradient checkpointing of a layer). A unit whose parameters a backward
+nevertheless reads through the parameter (a checkpoint inside the unit's module recomputes it)
+is gathered on demand there (``Schedule.gather_on_read``), blocking, and counted as read in
+every later step.
 
 Where the graph depends on the data (a parameter multiplied in on some batches only), ranks
 measure differently, and a unit gathered on one rank and skipped on another would leave their
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from zerodp.activations.scope import is_checkpointed
@@ -104,10 +107,18 @@ _AVAILABLE = all(
 )
 
 
+def _recomputed(module: nn.Module) -> bool:
+    """The module checkpoints its own forward, inside its hooks: zerodp's wrapper, or Hugging
+    Face's gradient checkpointing of a layer (``GradientCheckpointingLayer`` checkpoints
+    ``forward`` when ``gradient_checkpointing`` is set and the module trains)."""
+    own = getattr(module, "gradient_checkpointing", False) is True and module.training
+    return own or is_checkpointed(module)
+
+
 def begin_forward(unit: Unit) -> None:
     """The outermost training forward call of gathered ``unit`` starts. Bypasses the
     parameters' read guard: no value is read."""
-    if not _AVAILABLE or unit.read_in_backward or hooks_active() or is_checkpointed(unit.module):
+    if not _AVAILABLE or unit.read_in_backward or hooks_active() or _recomputed(unit.module):
         unit.backward_reads, unit.refs = True, None
         return
     params = [p for seg in unit.segments for p in seg.params]
