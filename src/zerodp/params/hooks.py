@@ -282,16 +282,16 @@ class Schedule:
             return
         unit.in_backward = True
         # [Note: backward without parameters] in saved.py: not gathered, not in the order.
-        unit.skipped = unit.backward_reads is False
-        upcoming = self.bwd.visit(unit.index) if unit.segments and not unit.skipped else []
-        wanted = [self.units[i] for i in upcoming if self.units[i].backward_reads is not False]
-        plan = self._deferred_plan() + ([] if unit.skipped else Gatherer.start_plan(unit))
+        gather = unit.gathered_for_backward
+        upcoming = self.bwd.visit(unit.index) if unit.segments and gather else []
+        wanted = [u for u in (self.units[i] for i in upcoming) if u.gathered_for_backward]
+        plan = self._deferred_plan() + (Gatherer.start_plan(unit) if gather else [])
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
         self._flush_deferred(self._approve(plan))
-        if not unit.skipped:
+        if gather:
             self._use(unit)
-        self.trace("backward_skip" if unit.skipped else "backward", unit)
-        if unit.segments and not unit.skipped:
+        self.trace("backward" if gather else "backward_skip", unit)
+        if unit.segments and gather:
             self._prefetch_units(wanted)
 
     def post_backward(self, unit: Unit) -> None:
@@ -355,8 +355,8 @@ class Schedule:
         self._backward_open = True
         self.grads.open_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        read = [i for i in self.fwd.last[::-1] if self.units[i].backward_reads is not False]
-        self.bwd.begin(guess=read)
+        gathered = [i for i in self.fwd.last[::-1] if self.units[i].gathered_for_backward]
+        self.bwd.begin(guess=gathered)
 
     def _end_backward(self) -> None:
         if self.grads.sync_enabled:
@@ -425,7 +425,7 @@ class Schedule:
         root, [Note: units]) read while the root is held (its forward, or kept until the end of
         backward) is gathered now, on every rank alike since every rank runs the same root
         forward and loss, and held as long as the root is. Returns whether it was gathered."""
-        if unit.skipped and unit.in_backward:  # [Note: backward without parameters]
+        if unit.in_backward and not unit.gathered_for_backward:  # [Note: backward without ...]
             unit.read_in_backward = True
             self.bwd.visit(unit.index)  # in the order the next backward predicts
             self._use(unit)  # held: in its backward
@@ -494,6 +494,6 @@ class Schedule:
             unit.ready_grads = 0
             unit.untracked = False
             unit.prefetched = False
-            unit.refs, unit.backward_reads, unit.skipped = None, None, False
+            unit.refs, unit.backward_reads = None, None
             unit.touched = False
             self.maybe_release(unit)

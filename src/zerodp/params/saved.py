@@ -49,7 +49,6 @@ unit for its backward, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,15 +58,7 @@ from torch.autograd.graph import get_gradient_edge
 from zerodp.activations.scope import is_checkpointed
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.segment import ShardedSegment
-from zerodp.params.unit import Unit
-
-
-@dataclass(frozen=True)
-class Holds:
-    """What one forward call of a unit started with (see the note)."""
-
-    counts: tuple[int, ...]  # per segment: the buffer's storage, then each parameter
-    accumulators: list[Any]  # AccumulateGrad of each parameter that requires grad, held
+from zerodp.params.unit import Holds, Unit
 
 
 def _storage_uses(t: torch.Tensor) -> int:
@@ -82,14 +73,27 @@ def _counts(segments: list[ShardedSegment]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _top_hooks_probe() -> Any:
+    """``_top_saved_tensors_default_hooks`` as a call without arguments: some releases' binding
+    takes ``ignore_is_tracing``, others nothing. None where it is missing."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        top(False)
+    except TypeError:
+        return top
+    return lambda: top(False)
+
+
+_TOP_HOOKS = _top_hooks_probe()
+
+
 def hooks_active() -> bool:
     """Saved-tensor hooks (a checkpoint, an offload) are in effect: what is saved now may be
     recomputed from the parameters in the backward."""
-    top: Any = torch._C._autograd._top_saved_tensors_default_hooks
-    try:
-        return top(False) is not None
-    except TypeError:  # releases whose binding takes no ``ignore_is_tracing``
-        return top() is not None
+    assert _TOP_HOOKS is not None
+    return _TOP_HOOKS() is not None
 
 
 QUIET_AGREEMENTS = 2
@@ -102,7 +106,7 @@ _AVAILABLE = all(
     (
         hasattr(torch._C, "_storage_Use_Count"),
         hasattr(torch.Tensor, "_use_count"),
-        hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
+        _TOP_HOOKS is not None,
     )
 )
 
@@ -124,21 +128,17 @@ def begin_forward(unit: Unit) -> None:
     params = [p for seg in unit.segments for p in seg.params]
     with torch._C.DisableTorchFunctionSubclass():
         accumulators = [get_gradient_edge(p).node for p in params if p.requires_grad]
-        holds = Holds(_counts(unit.segments), accumulators)
-    at = 0
-    for seg in unit.segments:
-        expected = [1 + p.requires_grad for p in seg.params]
-        if any(c > e for c, e in zip(holds.counts[at + 1 :], expected, strict=False)):
-            unit.backward_reads, unit.refs = True, None  # saved by a graph still alive
+        # Anything beyond the parameter itself and its accumulator: a graph still alive.
+        if any(p._use_count() > 1 + p.requires_grad for p in params):  # type: ignore[attr-defined]
+            unit.backward_reads, unit.refs = True, None
             return
-        at += len(seg.params) + 1
-    unit.refs = holds
+        unit.refs = Holds(_counts(unit.segments), accumulators)
 
 
 def end_forward(unit: Unit) -> None:
     """The call ``begin_forward`` saw start ended: whether the backward reads the parameters."""
     holds = unit.refs
-    if not isinstance(holds, Holds):
+    if holds is None:
         return
     with torch._C.DisableTorchFunctionSubclass():
         end = _counts(unit.segments)
@@ -152,11 +152,11 @@ def agree(units: list[Unit], check: OrderCheck) -> bool:
     no rank reads (see the note); a unit that did not run on a rank since the last backward
     (another rank's expert) does not hold the others back. Returns whether any rank measured a
     unit it could skip."""
-    world = check.comm.world_size
-    if world == 1:
-        return True
-    check(Op.SKIPS)
     measured = [int(u.backward_reads is False) for u in units]
+    world = check.comm.world_size
+    if world == 1:  # nothing to agree with; measuring stops as on many ranks
+        return any(measured)
+    check(Op.SKIPS)
     votes = [int(m or not u.touched) for m, u in zip(measured, units, strict=True)]
     both = torch.tensor(votes + measured, dtype=torch.int32, device=check.device)
     check.comm.all_reduce_control(both)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,15 @@ from zerodp.params.segment import ShardedSegment
 
 if TYPE_CHECKING:
     from zerodp.offload.home import ShardHome
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What one forward call of a unit started with ([Note: backward without parameters] in
+    saved.py)."""
+
+    counts: tuple[int, ...]  # per segment: the buffer's storage, then each parameter
+    accumulators: list[Any]  # AccumulateGrad of each parameter that requires grad, held
 
 
 class UnitState(enum.Enum):
@@ -62,12 +71,11 @@ class Unit:
     # AccumulateGrad ran ([Note: stage-3 schedule] in hooks.py, "grad ready").
     untracked: bool = False
     # [Note: backward without parameters] in saved.py. Per pass: reference counts at the start
-    # of its outermost forward call, whether its backward reads its parameters (None: not
-    # measured, so it does) and whether its backward all-gather was skipped. For good: a
-    # backward read them through the parameters although the forward left no reference.
-    refs: object | None = None  # saved.Holds
+    # of its outermost forward call and whether its backward reads its parameters (None: not
+    # measured, so it does). For good: a backward read them through the parameters although
+    # the forward left no reference.
+    refs: Holds | None = None
     backward_reads: bool | None = None
-    skipped: bool = False
     read_in_backward: bool = False
 
     @property
@@ -81,6 +89,11 @@ class Unit:
     @property
     def module(self) -> nn.Module:
         return self.spec.module
+
+    @property
+    def gathered_for_backward(self) -> bool:
+        """Not one whose backward all-gather is skipped ([Note: backward without parameters])."""
+        return self.backward_reads is not False
 
     @property
     def held(self) -> bool:
