@@ -151,3 +151,41 @@ def test_zero_grad_and_step_allocate_no_tensor_data(world, stage, precision):
     for out in _run(world, stage, precision):
         for s in out["steps"][WARMUP:]:
             assert s["engine_largest"][0] < CONTROL_BYTES, s["engine_largest"]
+
+
+def case_stage3(reuse: bool) -> dict[str, Any]:
+    """Stage 3's steady-state steps: the largest allocation, and the largest unit's bytes."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, zopt = zerodp.initialize(model, opt, zerodp.ZeroConfig(stage=3))
+    if not reuse:
+        zopt.engine.params.gatherer.memory = None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    largest = []
+    for _ in range(WARMUP + STEADY):
+        with AllocationTrace() as trace:
+            trace.step(zopt.zero_grad, lambda: model(x, y)[1], zopt.backward, zopt.step)
+        largest.append(max(a.nbytes for a in trace.allocations))
+    report = zopt.memory_report()
+    return {
+        "largest": largest[WARMUP:],
+        "unit": report.largest_unit,
+        "cached": report.gathered_cached,
+        "bound": report.gathered_bound,
+    }
+
+
+def test_stage3_reuses_released_gather_memory(world):
+    """On CPU a released unit's memory serves the next gather of that size ([Note: reused
+    gather memory] in params/reuse.py): no steady-state step allocates a unit's full buffer,
+    where without the reuse every gather does. What is kept stays under the gather bound."""
+    for o in world(WORLD).run(case_stage3, True, timeout=TIMEOUT):
+        assert all(n < o["unit"] for n in o["largest"]), (o["largest"], o["unit"])
+        assert o["unit"] <= o["cached"] <= o["bound"]
+    for o in world(WORLD).run(case_stage3, False, timeout=TIMEOUT):
+        assert all(n == o["unit"] for n in o["largest"]), (o["largest"], o["unit"])
+        assert o["cached"] == 0

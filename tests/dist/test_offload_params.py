@@ -110,7 +110,10 @@ def test_host_parameters_are_the_shards(world, tmp_path):
         host = rep["optimizer_state"] + rep["host_gradients"] + rep["host_buffers"]
         assert rep["host"] == host + rep["host_parameters"]
         assert rep["device"] + rep["host"] - rep["host_buffers"] - rep["host_gradients"] == (
-            rep["model_states"] + rep["comm_buffers"] + rep["step_transient"]
+            rep["model_states"]
+            + rep["comm_buffers"]
+            + rep["step_transient"]
+            + rep["gathered_cached"]
         )
 
 

@@ -46,6 +46,9 @@ class MemoryReport:
     gathered_now: int = 0  # bytes of gathered (unsharded) unit parameters alive now
     gathered_peak: int = 0  # their peak since initialize (or engine.params.gatherer.reset_peak())
     gathered_bound: int = 0  # what the schedule guarantees gathered_peak stays below
+    # Released CPU full buffers kept for the next gather; with the gathered bytes, under the
+    # bound ([Note: reused gather memory] in params/reuse.py).
+    gathered_cached: int = 0
     largest_unit: int = 0  # bytes of the largest unit, gathered
     # Optimizer offload (ZeroConfig.offload.optimizer): the optimizer state (masters included)
     # is then in host memory, with an fp32 copy of the owned gradients and the transfer rings.
@@ -84,9 +87,10 @@ class MemoryReport:
 
     @property
     def device(self) -> int:
-        """Bytes held on the device: every category above that is not in host memory."""
+        """Bytes held on the device: every category above that is not in host memory (with
+        stage 3's released gather memory kept for reuse)."""
         total = self.model_states + self.comm_buffers + self.frozen_parameters
-        total += self.step_transient
+        total += self.step_transient + self.gathered_cached
         total -= self.host_parameters
         if self.offload == "none":
             return total
@@ -148,6 +152,7 @@ class MemoryReport:
                 ("persistent params", self.persistent_parameters, "replicated, in parameters"),
                 ("gathered now", self.gathered_now, "unit parameters gathered"),
                 ("gathered peak", self.gathered_peak, f"bound {self.gathered_bound:,} B"),
+                ("gathered cached", self.gathered_cached, "released, kept for the next gather"),
                 ("largest unit", self.largest_unit, "gathered"),
             ]
         if self.params_offload == "cpu":

@@ -24,6 +24,7 @@ from zerodp.params.hooks import Schedule
 from zerodp.params.order import OrderCheck
 from zerodp.params.policy import UnitPlan, UnitPolicy, plan_units
 from zerodp.params.reduce import ShardedGrads
+from zerodp.params.reuse import GatherMemory
 from zerodp.params.segment import ShardedSegment
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
 from zerodp.partition.segment import Segment
@@ -113,6 +114,8 @@ class ShardedParams:
         self.check = OrderCheck(comm, labels, policy.check_unit_order, device_of)
         self.trace = Trace()
         self.gatherer = Gatherer(comm, self.check, self.trace)
+        if GatherMemory.applies(device_of):
+            self.gatherer.memory = GatherMemory(self.gathered_bound)
         self._where: dict[int, tuple[str, Unit]] = {
             id(p): (n, u)
             for u in self.units

@@ -37,12 +37,16 @@ when it was pinned keeps using the shared buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerodp.partition.buffers import OwnedStorage, ShardBuffer, flat_view
 from zerodp.partition.layout import Range
 from zerodp.partition.segment import Segment
+
+if TYPE_CHECKING:
+    from zerodp.params.reuse import GatherMemory
 
 
 @dataclass(eq=False)
@@ -116,9 +120,10 @@ class ShardedSegment(Segment):
 
     # -- lifecycle (driven by zerodp.params.unit) --------------------------------------------
 
-    def alloc(self, private: bool = False) -> None:
-        """Give the full buffer its memory back (uninitialised: the all-gather fills it); with
-        ``private``, a fresh buffer the release drops ([Note: pinned gathers])."""
+    def alloc(self, private: bool = False, memory: GatherMemory | None = None) -> None:
+        """Give the full buffer its memory back (uninitialised: the all-gather fills it), from
+        ``memory`` when given ([Note: reused gather memory] in reuse.py); with ``private``, a
+        fresh buffer the release drops ([Note: pinned gathers])."""
         if private:
             self.param_buffer = torch.empty(
                 self.layout.padded_numel, dtype=self.dtype, device=self.device
@@ -127,18 +132,25 @@ class ShardedSegment(Segment):
             return
         storage = self.param_buffer.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.full_nbytes)
+            if memory is None:
+                storage.resize_(self.full_nbytes)
+            else:
+                memory.fill(storage, self.full_nbytes)
 
     def show_full(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
             p.data = view
 
-    def release(self) -> None:
-        """Point the parameters at their placeholders and free the full buffer."""
+    def release(self, memory: GatherMemory | None = None, in_use: int = 0) -> None:
+        """Point the parameters at their placeholders and free the full buffer (or hand its
+        memory to ``memory``, with ``in_use`` bytes gathered besides)."""
         for p, placeholder in zip(self.params, self.placeholders, strict=True):
             p.data = placeholder
         if self.param_buffer is self.resident:
-            self.param_buffer.untyped_storage().resize_(0)
+            if memory is None:
+                self.param_buffer.untyped_storage().resize_(0)
+            else:
+                memory.take(self.param_buffer.untyped_storage(), in_use)
         else:  # freed once no alias of it is left ([Note: pinned gathers])
             self.param_buffer, self.views = self.resident, self.resident_views
 

@@ -285,6 +285,7 @@ class ShardedParamSync:
             "gathered_now": sharded.gatherer.gathered_bytes,
             "gathered_peak": sharded.gatherer.peak_bytes,
             "gathered_bound": sharded.gathered_bound(),
+            "gathered_cached": sharded.gatherer.cached_bytes,
             "largest_unit": sharded.largest_unit_bytes(),
         }
 

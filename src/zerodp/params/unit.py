@@ -17,6 +17,7 @@ from zerodp.params.segment import ShardedSegment
 
 if TYPE_CHECKING:
     from zerodp.offload.home import ShardHome
+    from zerodp.params.reuse import GatherMemory
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class Gatherer:
         self.landing: Landing | None = None
         # Offloaded parameters: the shards rest off the device ([Note: offloaded parameters]).
         self.home: ShardHome | None = None
+        # CPU: released memory kept for the next gather ([Note: reused gather memory]).
+        self.memory: GatherMemory | None = None
 
     def _landed(self, seg: ShardedSegment) -> None:
         if self.landing is not None:
@@ -179,7 +182,7 @@ class Gatherer:
             self.check(Op.GATHER, unit.index)
         for seg in unit.segments:
             self._landed(seg)
-            seg.alloc(private)
+            seg.alloc(private, self.memory)
             source = self._source(seg, seg.param_buffer)
             unit.handles.append(self.comm.all_gather(seg.param_buffer, source, async_op=True))
         unit.state = UnitState.GATHERING
@@ -225,11 +228,16 @@ class Gatherer:
         if unit.state is UnitState.RELEASED:
             return
         self.wait(unit)
-        for seg in unit.segments:
-            seg.release()
-        unit.state = UnitState.RELEASED
         self.gathered_bytes -= unit.full_nbytes
+        for seg in unit.segments:
+            seg.release(self.memory, self.gathered_bytes)
+        unit.state = UnitState.RELEASED
         self.trace("release", unit)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Released memory kept for the next gather ([Note: reused gather memory])."""
+        return self.memory.cached_bytes if self.memory is not None else 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.gathered_bytes

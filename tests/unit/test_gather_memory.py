@@ -1,0 +1,68 @@
+"""Released CPU full buffers kept for the next gather ([Note: reused gather memory] in
+params/reuse.py): the memory is handed over by swapping data pointers, so views made of the
+buffer before stay valid; what is kept plus what is in use stays under the limit."""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.params.reuse import GatherMemory
+
+NUMEL = 1000
+NBYTES = NUMEL * 4
+
+
+def _buffer() -> tuple[torch.Tensor, torch.Tensor]:
+    """A resident full buffer (empty storage) and a view made while it had memory."""
+    buf = torch.empty(NUMEL)
+    view = buf[10:20]
+    buf.untyped_storage().resize_(0)
+    return buf, view
+
+
+def test_released_memory_goes_to_the_next_gather_of_that_size() -> None:
+    memory = GatherMemory(lambda: 3 * NBYTES)
+    a, _ = _buffer()
+    b, b_view = _buffer()
+    memory.fill(a.untyped_storage(), NBYTES)  # nothing kept yet: allocated
+    a.fill_(7.0)
+    where = a.data_ptr()
+    memory.take(a.untyped_storage(), in_use=0)
+    assert a.untyped_storage().nbytes() == 0
+    assert memory.cached_bytes == NBYTES
+    memory.fill(b.untyped_storage(), NBYTES)
+    assert b.data_ptr() == where  # the same memory, no new allocation
+    assert memory.cached_bytes == 0
+    b_view.fill_(3.0)  # the view made before the swap writes into the new memory
+    assert b[10:20].eq(3.0).all()
+    assert b.untyped_storage().nbytes() == NBYTES
+
+
+def test_other_sizes_allocate() -> None:
+    memory = GatherMemory(lambda: 10 * NBYTES)
+    a, _ = _buffer()
+    memory.fill(a.untyped_storage(), NBYTES)
+    memory.take(a.untyped_storage(), in_use=0)
+    c = torch.empty(2 * NUMEL)
+    c.untyped_storage().resize_(0)
+    memory.fill(c.untyped_storage(), 2 * NBYTES)
+    assert c.untyped_storage().nbytes() == 2 * NBYTES
+    assert memory.cached_bytes == NBYTES  # the other size is still kept
+
+
+def test_nothing_kept_beyond_the_limit() -> None:
+    memory = GatherMemory(lambda: 2 * NBYTES)
+    a, _ = _buffer()
+    b, _ = _buffer()
+    for t in (a, b):
+        memory.fill(t.untyped_storage(), NBYTES)
+    memory.take(a.untyped_storage(), in_use=NBYTES)  # b still gathered: room for a
+    assert memory.cached_bytes == NBYTES
+    memory.take(b.untyped_storage(), in_use=0)  # kept + b would be 2 x: still room
+    assert memory.cached_bytes == 2 * NBYTES
+    c = torch.empty(NUMEL)  # gathered besides (a private gather's own buffer)
+    memory.take(c.untyped_storage(), in_use=0)  # 3 x: over the limit, freed
+    assert memory.cached_bytes == 2 * NBYTES
+    assert c.untyped_storage().nbytes() == 0
+    memory.clear()
+    assert memory.cached_bytes == 0
