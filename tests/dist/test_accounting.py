@@ -73,11 +73,12 @@ def test_memory_and_traffic_match_theory(world, world_size, stage):
         assert r["gradients"] == 4 * (padded if stage < 2 else shard)
         assert r["optimizer_state"] == 8 * o["owned"] + 4 * o["pieces"]  # exp_avg/sq + step
         assert r["optimizer_scalar_bytes"] == 4 * o["pieces"]
-        # Stage 2: two staging buckets; buckets are rounded down to a multiple of N x 4
+        # Stage 2: two staging buckets, each with the (N-1)/N its point-to-point reduce-scatter
+        # receives into (gloo on CPU); buckets are rounded down to a multiple of N x 4
         # elements so every rank's slice stays 16-byte aligned.
         bucket = (BUCKET_BYTES // 4) // (4 * n) * (4 * n)
-        expected_buffers = 0 if stage < 2 else 2 * 4 * bucket
-        assert expected_buffers <= 2 * BUCKET_BYTES
+        expected_buffers = 0 if stage < 2 else 2 * 4 * (bucket + bucket // n * (n - 1))
+        assert expected_buffers <= 4 * BUCKET_BYTES
         assert r["comm_buffers"] == expected_buffers
         # ... and the paper's formula up to padding and the step scalars.
         theory = r["theory"]
@@ -122,11 +123,13 @@ def test_mixed_precision_memory_matches_paper(world, world_size, stage):
         masters = 4 * (padded if stage == 0 else shard)
         assert r["master_parameters"] == masters
         assert r["optimizer_state"] == masters + 8 * o["owned"] + 4 * o["pieces"]
-        # Reduction in fp32 through two staging buckets (bucket_bytes of bf16 = 2048 elements).
+        # Reduction in fp32 through two staging buckets (bucket_bytes of bf16 = 2048 elements),
+        # reduce-scattered (stages 1-2) point to point: each with a receive buffer of (N-1)/N.
         bucket = (BUCKET_BYTES // 2) // (8 * n) * (8 * n)
+        received = 0 if stage == 0 else bucket // n * (n - 1)
         # The step's fp32 gradient scratch: one bucket (stage 0) or its owned slice.
         assert r["step_transient"] == 4 * min(padded, bucket) // (1 if stage == 0 else n)
-        assert r["comm_buffers"] == 2 * 4 * bucket
+        assert r["comm_buffers"] == 2 * 4 * (bucket + received)
         paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
         theory = r["theory"]
         assert theory["parameters"] + theory["gradients"] + theory["optimizer_state"] == paper

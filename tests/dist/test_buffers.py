@@ -1,14 +1,17 @@
 """Constant-size buffers (ZeRO-R's C_B): communication buffers do not grow with the model.
 
 The gradient staging pool (``grads/staging.py``: ``StagingPool``) holds ``count`` = 2 buffers,
-each the size of the largest bucket, in the reduce dtype (no scratch: ``with_scratch=False``).
+each the size of the largest bucket, in the reduce dtype, and, where gradients are
+reduce-scattered (stages 1-3) point to point (gloo on CPU, as here), the (N-1)/N of it that the
+reduce-scatter receives into ([Note: point-to-point reduce-scatter] in comm/communicator.py).
 A bucket is ``bucket_bytes`` of parameters in their stored (compute) dtype, rounded down to a
 multiple of N x align elements (``partition/layout.py: build_layout``; align = 16 B), so for a
 model larger than one bucket::
 
-    comm_buffers = 2 x floor(bucket_bytes / e / (N * 16 / e)) x (N * 16 / e) x r
+    comm_buffers = 2 x floor(bucket_bytes / e / (N * 16 / e)) x (N * 16 / e) x r x (2N - 1) / N
 
-with ``e`` the compute dtype's and ``r`` the reduce dtype's element size. The pool exists in
+with ``e`` the compute dtype's and ``r`` the reduce dtype's element size (stage 0, which
+all-reduces: without the last factor). The pool exists in
 stage 2 (and stage 3), and in stages 0-1 only when gradients are reduced in another dtype than
 they are stored in (bf16 with fp32 reduction); fp32 stages 0-1 reduce in place in the gradient
 buffer and hold no communication buffer at all.
@@ -76,7 +79,8 @@ def expected_comm_buffers(stage: int, precision: str) -> int:
         return 0  # reduced in place in the gradient buffer
     quantum = WORLD * (16 // e)  # N x alignment, in elements
     bucket_numel = (BUCKET_BYTES // e) // quantum * quantum
-    return STAGING_COUNT * bucket_numel * REDUCE_ELSIZE
+    received = 0 if stage == 0 else bucket_numel // WORLD * (WORLD - 1)
+    return STAGING_COUNT * (bucket_numel + received) * REDUCE_ELSIZE
 
 
 def expected_scratch(stage: int, precision: str) -> int:
@@ -116,8 +120,10 @@ def test_comm_buffers_do_not_grow_with_the_model(world, stage, precision):
             else:  # a unit is one bucket: the largest unit's shard (or a persistent bucket's)
                 unit_shard = 4 * (r["largest_unit"] // ELSIZE[precision]) // WORLD
                 assert r["step_transient"] in (unit_shard, scratch), (shape, r, unit_shard)
-    if stage >= 2 or precision != "fp32":
-        assert expected == STAGING_COUNT * BUCKET_BYTES * REDUCE_ELSIZE // ELSIZE[precision]
+    if stage >= 2 or precision != "fp32":  # the bucket: bucket_bytes exactly (no rounding)
+        staged = STAGING_COUNT * BUCKET_BYTES * REDUCE_ELSIZE // ELSIZE[precision]
+        received = 0 if stage == 0 else staged // WORLD * (WORLD - 1)
+        assert expected == staged + received
 
 
 def test_default_bucket_is_32_mib():

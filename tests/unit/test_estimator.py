@@ -204,6 +204,21 @@ def test_comm_buffer_bytes_per_stage() -> None:
     assert got == 2 * bucket + 3 * unit
 
 
+def test_comm_buffer_bytes_with_receive_buffers() -> None:
+    """Point-to-point reduce-scatters (gloo on CPU) receive into (N-1)/N of each staging bucket
+    behind it; stage 0 all-reduces and receives nothing extra."""
+    bucket, unit, f = 2**20, 1e6, 3 / 4
+    bf16 = {"param_bytes": 2, "reduce_bytes": 4, "receive_fraction": f}
+    assert comm_buffer_bytes(0, bucket, **bf16) == 2 * 2 * bucket
+    assert comm_buffer_bytes(1, bucket, **bf16) == 2 * 2 * bucket * (1 + f)
+    assert comm_buffer_bytes(1, bucket, receive_fraction=f) == 0  # fp32: reduced in place
+    assert comm_buffer_bytes(2, bucket, receive_fraction=f) == 2 * bucket * (1 + f)
+    got = comm_buffer_bytes(3, bucket, largest_unit_bytes=unit, receive_fraction=f)
+    assert got == 2 * bucket * (1 + f) + 2 * unit
+    with pytest.raises(ValueError, match=r"receive_fraction must be in \[0, 1\)"):
+        comm_buffer_bytes(2, bucket, receive_fraction=1.0)
+
+
 def test_estimate_memory_adds_everything() -> None:
     overheads = Overheads(activation_bytes=5e9, bucket_bytes=1e8, largest_unit_bytes=2e8)
     est = estimate_memory(7.5e9, 64, 3, MIXED_ADAM, overheads)

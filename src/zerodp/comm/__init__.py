@@ -1,7 +1,13 @@
 """The only package that imports ``torch.distributed``: collectives, handles and the ledger,
 and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
-from zerodp.comm.communicator import Communicator, Handle, destroy, init_from_env
+from zerodp.comm.communicator import (
+    Communicator,
+    Handle,
+    destroy,
+    init_from_env,
+    receives_point_to_point,
+)
 from zerodp.comm.diagnosis import STEP_PHASES
 from zerodp.comm.groups import DeviceMesh, GroupLike, dp_tp_mesh
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
@@ -22,4 +28,5 @@ __all__ = [
     "destroy",
     "dp_tp_mesh",
     "init_from_env",
+    "receives_point_to_point",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.comm import Handle
-from zerodp.grads.staging import StagingPool
+from zerodp.grads.staging import Staged, StagingPool
 
 
 @dataclass(slots=True)
@@ -36,13 +36,13 @@ class InFlight:
         self._pool = pool
         self._queue = deque()
 
-    def acquire(self, numel: int, world: int) -> torch.Tensor:
-        """A staging view of ``numel`` elements; waits for the oldest launched collective while
-        every buffer is taken."""
+    def acquire(self, numel: int) -> Staged:
+        """A staging view of ``numel`` elements (and its receive buffer); waits for the oldest
+        launched collective while every buffer is taken."""
         assert self._pool is not None
         while not self._pool.available and self._queue:
             self.wait_oldest()
-        return self._pool.acquire(numel, world)[0]
+        return self._pool.acquire(numel)
 
     def push(
         self, handle: Handle, post: Callable[[], None], staging: torch.Tensor | None = None

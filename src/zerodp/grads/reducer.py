@@ -111,7 +111,14 @@ class GradReducer:
         ]
         staged_numels = [b.flat.numel for b in self.buckets] if staged or any(self._convert) else []
         self._inflight = InFlight(
-            staging_pool(staged_numels, self.world, segments, reduce_dtype, staging_buffers)
+            staging_pool(
+                staged_numels,
+                comm,
+                segments,
+                reduce_dtype,
+                staging_buffers,
+                scatter=self.mode is not ReduceMode.ALL_REDUCE,
+            )
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
         self.order = list(range(len(self.buckets)))  # launch order ([Note: launch order])
@@ -330,7 +337,7 @@ class GradReducer:
 
             self._inflight.push(handle, average)
             return
-        staging = self._inflight.acquire(bucket.flat.numel, self.world)
+        staging = self._inflight.acquire(bucket.flat.numel).data
         staging.copy_(view)
         handle = self.comm.all_reduce(staging, async_op=True)
 
@@ -348,9 +355,11 @@ class GradReducer:
         hi = bucket.owned.stop - bucket.flat.start
         staging: torch.Tensor | None = None
         if self._convert[bucket.seg]:
-            staging = self._inflight.acquire(bucket.flat.numel, self.world)
-            staging.copy_(view)
-            handle = self.comm.reduce_scatter(staging[lo:hi], staging, async_op=True)
+            staged = self._inflight.acquire(bucket.flat.numel)
+            staging = staged.data.copy_(view)
+            handle = self.comm.reduce_scatter(
+                staging[lo:hi], staging, received=staged.received, async_op=True
+            )
         else:
             handle = self.comm.reduce_scatter(view[lo:hi], view, async_op=True)
 
@@ -365,20 +374,20 @@ class GradReducer:
         self._inflight.push(handle, consume_others, staging)
 
     def _launch_staged(self, gb: int, bucket: _Bucket) -> None:
-        staging = self._inflight.acquire(bucket.flat.numel, self.world)
-        self._fill_staging(bucket, staging)
+        staged = self._inflight.acquire(bucket.flat.numel)
+        self._fill_staging(bucket, staged.data)
         shard = self.shard_grads[bucket.seg]
         assert shard is not None
         target = shard.narrow(0, bucket.shard_offset, bucket.owned.numel)
         handle, average = reduce_scatter_into(
             self.comm,
-            staging,
+            staged,
             target,
             accumulate=self._has_data[gb],
             convert=self._convert[bucket.seg],
         )
         self._has_data[gb] = True
-        self._inflight.push(handle, average, staging)
+        self._inflight.push(handle, average, staged.data)
 
     def _fill_staging(self, bucket: _Bucket, staging: torch.Tensor) -> None:
         """Copy the bucket's part of each parameter's gradient, zero the rest, free grads whose

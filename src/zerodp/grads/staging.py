@@ -4,6 +4,7 @@ size and never by the model size (ZeRO-R's constant-size buffers)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -11,26 +12,34 @@ from zerodp.comm import Communicator, Handle
 from zerodp.partition.segment import Segment
 
 
+class Staged(NamedTuple):
+    """A staging view and the buffer its reduce-scatter receives into (None: none needed,
+    [Note: point-to-point reduce-scatter] in comm/communicator.py)."""
+
+    data: torch.Tensor
+    received: torch.Tensor | None
+
+
 class StagingPool:
-    """A fixed number of staging buffers, each the size of the largest bucket (plus, when
-    ``with_scratch``, a 1/N scratch behind it)."""
+    """A fixed number of staging buffers, each the size of the largest bucket plus what its
+    reduce-scatter receives into (``receive_numel(numel)`` elements behind it; 0 on NCCL)."""
 
     def __init__(
         self,
         bucket_numels: list[int],
-        world: int,
         dtype: torch.dtype,
         device: torch.device,
         count: int,
-        with_scratch: bool = True,
+        receive_numel: Callable[[int], int] | None = None,
     ) -> None:
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
+        self._receive_numel = receive_numel or (lambda numel: 0)
         if not bucket_numels:
             return
         largest = max(bucket_numels)
+        extra = self._receive_numel(largest)
         for _ in range(count):
-            extra = largest // world if with_scratch else 0
             t = torch.empty(largest + extra, dtype=dtype, device=device)
             self._free.append(t)
             self._all.append(t)
@@ -39,11 +48,11 @@ class StagingPool:
     def available(self) -> bool:
         return bool(self._free)
 
-    def acquire(self, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A staging view of ``numel`` elements and its scratch (empty without scratch)."""
+    def acquire(self, numel: int) -> Staged:
+        """A staging view of ``numel`` elements and its receive buffer."""
         t = self._free.pop()
-        scratch = min(numel // world, t.numel() - numel)
-        return t.narrow(0, 0, numel), t.narrow(0, numel, scratch)
+        extra = self._receive_numel(numel)
+        return Staged(t.narrow(0, 0, numel), t.narrow(0, numel, extra) if extra else None)
 
     def release(self, staging: torch.Tensor) -> None:
         for t in self._all:
@@ -68,21 +77,23 @@ def zero_range(t: torch.Tensor, start: int, stop: int) -> None:
 
 def reduce_scatter_into(
     comm: Communicator,
-    staging: torch.Tensor,
+    staged: Staged,
     target: torch.Tensor,
     *,
     accumulate: bool,
     convert: bool,
 ) -> tuple[Handle, Callable[[], None]]:
-    """Start reducing ``staging`` across ranks into ``target`` (this rank's chunk, averaged).
+    """Start reducing the staging buffer across ranks into ``target`` (this rank's chunk,
+    averaged).
 
     Returns the handle and the action to run once it completed. When accumulating onto an
     earlier round or converting dtype, the reduction lands in this rank's chunk of the staging
     buffer itself (no scratch) and is then added / cast into ``target``."""
+    staging = staged.data
     chunk = target.numel()
     own = staging.narrow(0, comm.rank * chunk, chunk)
     out = own if (accumulate or convert) else target
-    handle = comm.reduce_scatter(out, staging, async_op=True)
+    handle = comm.reduce_scatter(out, staging, received=staged.received, async_op=True)
 
     def average_into_target() -> None:
         out.div_(comm.world_size)
@@ -96,15 +107,22 @@ def reduce_scatter_into(
 
 def staging_pool(
     bucket_numels: list[int],
-    world: int,
+    comm: Communicator,
     segments: list[Segment],
     reduce_dtype: torch.dtype | None,
     count: int,
+    scatter: bool = True,
 ) -> StagingPool | None:
     """``count`` staging buffers for buckets of ``bucket_numels`` elements, in the reduce dtype
-    (None: the gradients' own) on the segments' device; None when nothing is staged."""
+    (None: the gradients' own) on the segments' device, with room for what a reduce-scatter
+    receives (``scatter``; all-reduces need none); None when nothing is staged."""
     if not bucket_numels:
         return None
     first = segments[0]
     dtype = reduce_dtype or first.dtype
-    return StagingPool(bucket_numels, world, dtype, first.device, count, with_scratch=False)
+    device = first.device
+
+    def receive_numel(numel: int) -> int:
+        return comm.receive_numel(numel, device)
+
+    return StagingPool(bucket_numels, dtype, device, count, receive_numel if scatter else None)

@@ -207,6 +207,7 @@ def comm_buffer_bytes(
     prefetch_depth: int = 1,
     param_bytes: float = 4.0,
     reduce_bytes: float = 4.0,
+    receive_fraction: float = 0.0,
 ) -> float:
     """Per-rank bytes of zerodp's communication buffers beyond the model states.
 
@@ -216,15 +217,22 @@ def comm_buffer_bytes(
     through two staging buckets of that dtype. Stage 2 always reduce-scatters through two staging
     buckets (one filling while the other is in flight). Stage 3 adds the gathered full
     parameters of the unit in use and of ``prefetch_depth`` units gathered ahead of it, bounded
-    by the largest unit.
+    by the largest unit. ``receive_fraction``: where reduce-scatters run point to point (gloo on
+    CPU: (N-1)/N; 0 with NCCL), each staging bucket of stages 1-3 has a receive buffer of that
+    fraction of it behind it.
     """
     _check_stage(stage)
     if not bucket_bytes >= 0 or not largest_unit_bytes >= 0 or prefetch_depth < 0:
         raise ValueError("bucket_bytes, largest_unit_bytes and prefetch_depth must be >= 0")
     if not param_bytes > 0 or not reduce_bytes > 0:
         raise ValueError("param_bytes and reduce_bytes must be > 0")
+    if not 0 <= receive_fraction < 1:
+        raise ValueError("receive_fraction must be in [0, 1)")
     staging = 2.0 * bucket_bytes * reduce_bytes / param_bytes
-    if stage <= 1:
+    if stage == 0:
+        return staging if reduce_bytes != param_bytes else 0.0  # all-reduced: nothing received
+    staging *= 1.0 + receive_fraction
+    if stage == 1:
         return staging if reduce_bytes != param_bytes else 0.0
     if stage == 2:
         return staging
@@ -244,6 +252,8 @@ class Overheads:
     working_bytes: float = 0.0
     """The backward's working set on top of the activations ([Note: backward working set] in
     activations.py): the margin ``fits`` adds."""
+    receive_fraction: float = 0.0
+    """Reduce-scatter receive buffers per staging bucket ((N-1)/N with gloo on CPU, else 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +291,7 @@ def estimate_memory(
         overheads.bucket_bytes,
         largest_unit_bytes=overheads.largest_unit_bytes,
         prefetch_depth=overheads.prefetch_depth,
+        receive_fraction=overheads.receive_fraction,
     )
     activations, margin = overheads.activation_bytes, overheads.working_bytes
     return MemoryEstimate(stage, world_size, states, activations, buffers, margin)

@@ -63,6 +63,8 @@ class Workload:
     reduce_precision: str = "fp32"
     largest_unit_params: float | None = None
     """Overrides the unit size taken from ``shape``."""
+    receive_fraction: float = 0.0
+    """Reduce-scatter receive buffers per staging bucket ((N-1)/N with gloo on CPU, else 0)."""
 
     def __post_init__(self) -> None:
         if not self.num_params > 0 or not self.tokens > 0:
@@ -263,6 +265,7 @@ def tier_bytes(w: Workload, p: Placement) -> TierBytes:
         w.bucket_numel * pb,
         param_bytes=pb,
         reduce_bytes=dtype_bytes(w.reduce_precision),
+        receive_fraction=w.receive_fraction,
     )
     activations = working = 0.0
     if w.shape is not None:

@@ -39,7 +39,7 @@ import torch
 
 from zerodp.comm import Communicator
 from zerodp.grads.inflight import InFlight
-from zerodp.grads.staging import reduce_scatter_into, staging_pool, zero_range
+from zerodp.grads.staging import Staged, reduce_scatter_into, staging_pool, zero_range
 from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.swapfile import ALIGN
 from zerodp.params.order import Op, OrderCheck
@@ -95,7 +95,7 @@ class ShardedGrads:
         if spill is not None:
             spill.reserve(max(numels, default=0) // self.world)
         self._inflight = InFlight(
-            staging_pool(numels, self.world, segments, reduce_dtype, staging_buffers)
+            staging_pool(numels, comm, segments, reduce_dtype, staging_buffers)
         )
         self.used: list[list[bool]] = [[False] * len(s.params) for s in segments]
         self.grads_seen = 0  # gradients staged, ever: "did a backward run" (engine)
@@ -132,11 +132,11 @@ class ShardedGrads:
         changing no gradient here: standing in after ranks diverged ([Note: verified orders]
         in params/replay.py)."""
         for _, _, numel in self._chunks[seg_id] if self.segments[seg_id].layout.buckets else []:
-            staging = self._inflight.acquire(numel * self.world, self.world).zero_()
+            staged = self._inflight.acquire(numel * self.world)
+            staging = staged.data.zero_()
             own = staging.narrow(0, self.comm.rank * numel, numel)
-            self._inflight.push(
-                self.comm.reduce_scatter(own, staging, async_op=True), _no_post, staging
-            )
+            handle = self.comm.reduce_scatter(own, staging, received=staged.received, async_op=True)
+            self._inflight.push(handle, _no_post, staging)
         self._inflight.wait_all()
 
     def end_round(self) -> None:
@@ -144,29 +144,30 @@ class ShardedGrads:
 
     def _launch(self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int]) -> None:
         lay = self.segments[seg_id].layout
-        staging = self._inflight.acquire(numel * self.world, self.world)
-        self._fill(seg_id, b, offset, numel, staging, left)
+        staged = self._inflight.acquire(numel * self.world)
+        self._fill(seg_id, b, offset, numel, staged.data, left)
         if self.spill is not None:
-            self._launch_spilled(seg_id, b, offset, staging)
+            self._launch_spilled(seg_id, b, offset, staged)
             return
         start = lay.buckets[b].shard_offset + offset
         handle, average = reduce_scatter_into(
             self.comm,
-            staging,
+            staged,
             self.shard_grads[seg_id].narrow(0, start, numel),
             accumulate=self._has_data[seg_id][b],
             convert=self._convert[seg_id],
         )
-        self._inflight.push(handle, average, staging)
+        self._inflight.push(handle, average, staged.data)
 
-    def _launch_spilled(self, seg_id: int, b: int, offset: int, staging: torch.Tensor) -> None:
+    def _launch_spilled(self, seg_id: int, b: int, offset: int, staged: Staged) -> None:
         """The reduction lands in this rank's chunk of the staging buffer, averaged there and
         handed to the spill: the ops of ``reduce_scatter_into`` when it accumulates."""
         spill = self.spill
         assert spill is not None
+        staging = staged.data
         numel = staging.numel() // self.world
         own = staging.narrow(0, self.comm.rank * numel, numel)
-        handle = self.comm.reduce_scatter(own, staging, async_op=True)
+        handle = self.comm.reduce_scatter(own, staging, received=staged.received, async_op=True)
         accumulate = self._has_data[seg_id][b]
 
         def land() -> None:

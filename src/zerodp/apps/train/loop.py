@@ -37,7 +37,7 @@ from zerodp.apps.train.steps import Curves, run_steps
 from zerodp.apps.train.summary import format_summary
 from zerodp.apps.train.theory import activations_theory
 from zerodp.apps.train.world import RankContext, environment, join_world
-from zerodp.comm import destroy
+from zerodp.comm import destroy, receives_point_to_point
 from zerodp.comm.launch import record
 from zerodp.memory import dtype_bytes, meter_for
 from zerodp.tensor_parallel import TensorParallel
@@ -187,6 +187,7 @@ def _gather_result(
         element_size=dtype_bytes(opt.config.precision.compute),
         reduce_element_size=dtype_bytes(opt.config.precision.reduce),
         bucket_bytes=opt.config.bucket_bytes,
+        receive_fraction=_receive_fraction(ctx),
         config=opt.config.to_dict(),
         memory=[g[1] for g in gathered],
         comm=stats.to_dict() if stats is not None else None,
@@ -195,6 +196,12 @@ def _gather_result(
         skipped_steps=opt.skipped_steps,
         loss_scale=opt.loss_scale,
     )
+
+
+def _receive_fraction(ctx: RankContext) -> float:
+    """Each staging bucket's reduce-scatter receive buffer, as a fraction of the bucket."""
+    dp = ctx.world_size // ctx.tensor_parallel
+    return (dp - 1) / dp if receives_point_to_point(ctx.backend, ctx.device) else 0.0
 
 
 def _sample(model: nn.Module, options: TrainOptions, ctx: RankContext) -> str:

@@ -30,6 +30,7 @@ class RunResult:
     element_size: int = 4  # bytes of one parameter element (the compute dtype)
     reduce_element_size: int = 4  # bytes of one element gradients are reduced in
     bucket_bytes: int = 0
+    receive_fraction: float = 0.0  # reduce-scatter receive buffers per staging bucket
     config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig.to_dict() of the run
     largest_unit_bytes: int = 0  # the largest stage-3 gather unit, in parameter bytes
     activations_theory: float = 0.0  # the estimator's activations per rank (theory.py)

@@ -88,6 +88,7 @@ def memory_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, float] 
         largest_unit_bytes=run.largest_unit_bytes,
         param_bytes=run.element_size,
         reduce_bytes=run.reduce_element_size,
+        receive_fraction=run.receive_fraction,
     )
     theory = {name: float(states[name]) for name in MEMORY_CATEGORIES[:3]}
     theory["comm_buffers"] = buffers
