@@ -1,6 +1,7 @@
 """Point-to-point reduce-scatter on gloo CPU ([Note: point-to-point reduce-scatter] in
 comm/communicator.py): the same sums as the reduce-per-chunk path, several in flight at once
-without mixing, the receive buffer's size checked, and the same traffic in the ledger."""
+(waited for newest first), the receive buffer's size and the input's split checked, and the
+same traffic in the ledger."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def case_point_to_point() -> dict[str, Any]:
     expected = [sum(_contribution(r, c, n) for r in range(n)) for c in range(3)]
     own = slice(rank * CHUNK, (rank + 1) * CHUNK)
 
-    # Three in flight at once, waited for newest first: each tag pairs its own messages.
+    # Three in flight at once, waited for newest first.
     inputs = [_contribution(rank, c, n) for c in range(3)]
     received = [torch.full((out["receive_numel"],), float("nan")) for _ in range(3)]
     outputs = [torch.empty(CHUNK) for _ in range(3)]
@@ -57,6 +58,11 @@ def case_point_to_point() -> dict[str, Any]:
         out["short"] = "no error"
     except ValueError as e:
         out["short"] = str(e)
+    try:
+        comm.reduce_scatter(torch.empty(CHUNK), torch.empty(n * CHUNK + 1), received=x)
+        out["uneven"] = "no error"
+    except ValueError as e:
+        out["uneven"] = str(e)
     out["bytes"] = comm.ledger.current().to_dict()["bytes"]["reduce_scatter"]
     dist.barrier()
     return out
@@ -71,6 +77,10 @@ def test_point_to_point_reduce_scatter(world, world_size):
         assert o["in_place"] and o["per_chunk"]
         assert o["short"] == (
             f"received holds {(n - 1) * CHUNK - 1} elements, not {(n - 1) * CHUNK}"
+        )
+        assert o["uneven"] == (
+            f"reduce_scatter of {n * CHUNK + 1} elements over {n} ranks: the input must split "
+            "into equal chunks"
         )
         # Five reduce-scatters of N x CHUNK fp32 elements each (the refused one records none).
         assert o["bytes"] == 5 * n * CHUNK * 4

@@ -258,4 +258,4 @@ def test_host_bytes_are_exact(world, stage, precision, host_gradients):
         assert r["theory"]["optimizer_state"] == 12 * r["num_params"] / 2
         assert r["host"] == r["optimizer_state"] + r["host_gradients"] + r["host_buffers"]
         device = r["parameters"] + r["gradients"] + r["comm_buffers"] + r["step_transient"]
-        assert r["device"] == device + r["frozen_parameters"]
+        assert r["device"] == device + r["frozen_parameters"] + r["gathered_cached"]

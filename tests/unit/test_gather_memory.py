@@ -24,13 +24,13 @@ def test_released_memory_goes_to_the_next_gather_of_that_size() -> None:
     memory = GatherMemory(lambda: 3 * NBYTES)
     a, _ = _buffer()
     b, b_view = _buffer()
-    memory.fill(a.untyped_storage(), NBYTES)  # nothing kept yet: allocated
+    memory.fill(a.untyped_storage(), NBYTES, in_use=0)  # nothing kept yet: allocated
     a.fill_(7.0)
     where = a.data_ptr()
     memory.take(a.untyped_storage(), in_use=0)
     assert a.untyped_storage().nbytes() == 0
     assert memory.cached_bytes == NBYTES
-    memory.fill(b.untyped_storage(), NBYTES)
+    memory.fill(b.untyped_storage(), NBYTES, in_use=0)
     assert b.data_ptr() == where  # the same memory, no new allocation
     assert memory.cached_bytes == 0
     b_view.fill_(3.0)  # the view made before the swap writes into the new memory
@@ -38,16 +38,27 @@ def test_released_memory_goes_to_the_next_gather_of_that_size() -> None:
     assert b.untyped_storage().nbytes() == NBYTES
 
 
-def test_other_sizes_allocate() -> None:
-    memory = GatherMemory(lambda: 10 * NBYTES)
+def _empty(numel: int) -> torch.Tensor:
+    t = torch.empty(numel)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def test_other_sizes_allocate_and_free_what_no_longer_fits() -> None:
+    memory = GatherMemory(lambda: 4 * NBYTES)
     a, _ = _buffer()
-    memory.fill(a.untyped_storage(), NBYTES)
+    memory.fill(a.untyped_storage(), NBYTES, in_use=0)
     memory.take(a.untyped_storage(), in_use=0)
-    c = torch.empty(2 * NUMEL)
-    c.untyped_storage().resize_(0)
-    memory.fill(c.untyped_storage(), 2 * NBYTES)
+    c = _empty(2 * NUMEL)
+    memory.fill(c.untyped_storage(), 2 * NBYTES, in_use=0)  # 1 kept + 2 fit under 4
     assert c.untyped_storage().nbytes() == 2 * NBYTES
     assert memory.cached_bytes == NBYTES  # the other size is still kept
+    d = _empty(2 * NUMEL)
+    memory.fill(d.untyped_storage(), 2 * NBYTES, in_use=2 * NBYTES)  # c gathered: 1 + 2 + 2 > 4
+    assert d.untyped_storage().nbytes() == 2 * NBYTES
+    assert memory.cached_bytes == 0  # the kept 1 x was freed to make room
+    memory.make_room(4 * NBYTES, in_use=0)  # nothing kept: nothing to free
+    assert memory.cached_bytes == 0
 
 
 def test_nothing_kept_beyond_the_limit() -> None:
@@ -55,7 +66,7 @@ def test_nothing_kept_beyond_the_limit() -> None:
     a, _ = _buffer()
     b, _ = _buffer()
     for t in (a, b):
-        memory.fill(t.untyped_storage(), NBYTES)
+        memory.fill(t.untyped_storage(), NBYTES, in_use=0)
     memory.take(a.untyped_storage(), in_use=NBYTES)  # b still gathered: room for a
     assert memory.cached_bytes == NBYTES
     memory.take(b.untyped_storage(), in_use=0)  # kept + b would be 2 x: still room
@@ -64,5 +75,3 @@ def test_nothing_kept_beyond_the_limit() -> None:
     memory.take(c.untyped_storage(), in_use=0)  # 3 x: over the limit, freed
     assert memory.cached_bytes == 2 * NBYTES
     assert c.untyped_storage().nbytes() == 0
-    memory.clear()
-    assert memory.cached_bytes == 0

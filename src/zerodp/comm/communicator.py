@@ -113,7 +113,9 @@ class Communicator:
         # the whole bucket and allocate bucket-sized temporaries on the calling thread (measured
         # 36-40 ms and 15-23 ms for a 25 MiB bucket on 2 ranks, against 30 and 10-13 ms for one
         # in-place reduce / broadcast per owner chunk, which move the same data). On gloo we
-        # therefore run them chunk by chunk; the ledger records the logical collective.
+        # therefore run them chunk by chunk, and a reduce-scatter given a receive buffer point
+        # to point ([Note: point-to-point reduce-scatter]); the ledger records the logical
+        # collective.
         self._chunked_cpu = _gloo_on_cpu(self.backend)
         self._p2p_calls = 0  # point-to-point reduce-scatters issued: their tags
         self.timeout_s = watchdog_s
@@ -239,6 +241,11 @@ class Communicator:
         if self.world_size == 1:
             _copy_unless_alias(output, input)
             return Handle(None)
+        if input.numel() % self.world_size:
+            raise ValueError(
+                f"reduce_scatter of {input.numel()} elements over {self.world_size} ranks: "
+                "the input must split into equal chunks"
+            )
         if received is not None:
             needed = input.numel() // self.world_size * (self.world_size - 1)
             if received.numel() < needed:
@@ -278,8 +285,9 @@ class Communicator:
         reduces (measured on 2 ranks for 12 MiB: 7.5 ms and 5.4 ms of CPU over all threads per
         reduce-scatter of one reduce per chunk, against 3.6 ms and 2.4 ms here). Here every
         rank sends each other rank its chunk and receives theirs of its own into ``received``;
-        the rank that waits adds them to its chunk in rank order. The tag numbers the calls, so
-        two in flight between the same ranks never take each other's data."""
+        the rank that waits adds them to its own chunk, the others in rank order (for 3 ranks
+        or more not gloo's order: the sums agree to rounding). The tag numbers the calls, so two
+        in flight between the same ranks never take each other's data."""
         n, rank, group = self.world_size, self.rank, self.group
         own = chunks[rank]
         numel = own.numel()

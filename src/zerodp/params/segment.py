@@ -120,11 +120,16 @@ class ShardedSegment(Segment):
 
     # -- lifecycle (driven by zerodp.params.unit) --------------------------------------------
 
-    def alloc(self, private: bool = False, memory: GatherMemory | None = None) -> None:
+    def alloc(
+        self, private: bool = False, memory: GatherMemory | None = None, in_use: int = 0
+    ) -> None:
         """Give the full buffer its memory back (uninitialised: the all-gather fills it), from
-        ``memory`` when given ([Note: reused gather memory] in reuse.py); with ``private``, a
-        fresh buffer the release drops ([Note: pinned gathers])."""
+        ``memory`` when given, with ``in_use`` bytes gathered besides ([Note: reused gather
+        memory] in reuse.py); with ``private``, a fresh buffer the release drops ([Note: pinned
+        gathers])."""
         if private:
+            if memory is not None:
+                memory.make_room(self.full_nbytes, in_use)
             self.param_buffer = torch.empty(
                 self.layout.padded_numel, dtype=self.dtype, device=self.device
             )
@@ -135,7 +140,7 @@ class ShardedSegment(Segment):
             if memory is None:
                 storage.resize_(self.full_nbytes)
             else:
-                memory.fill(storage, self.full_nbytes)
+                memory.fill(storage, self.full_nbytes, in_use)
 
     def show_full(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):

@@ -182,11 +182,11 @@ class Gatherer:
             self.check(Op.GATHER, unit.index)
         for seg in unit.segments:
             self._landed(seg)
-            seg.alloc(private, self.memory)
+            seg.alloc(private, self.memory, self.gathered_bytes)
+            self.gathered_bytes += seg.full_nbytes
             source = self._source(seg, seg.param_buffer)
             unit.handles.append(self.comm.all_gather(seg.param_buffer, source, async_op=True))
         unit.state = UnitState.GATHERING
-        self.gathered_bytes += unit.full_nbytes
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
         self.trace("gather", unit)
         if unit.segments:
@@ -197,6 +197,8 @@ class Gatherer:
         ([Note: merged plans] in order.py): into a scratch buffer, freed once it completes."""
         for seg in unit.segments:
             self._landed(seg)
+            if self.memory is not None:
+                self.memory.make_room(seg.full_nbytes, self.gathered_bytes)
             scratch = seg.param_buffer.new_empty(seg.layout.padded_numel)
             self.gathered_bytes += seg.full_nbytes
             self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)

@@ -114,7 +114,10 @@ def memory_peak(measured: dict[str, Any]) -> dict[str, Any] | None:
     if process.get("peak") is None:
         return None
     parts = {name: int(measured[name]) for name in MEMORY_CATEGORIES}
-    parts["gathered"] = int(measured.get("gathered_peak") or 0)
+    # Stage 3 on CPU keeps released gather memory ([Note: reused gather memory]): at the peak
+    # the gathered units sit in it, so what gathering holds is the larger of the two.
+    gathered = (measured.get("gathered_peak") or 0, measured.get("gathered_cached") or 0)
+    parts["gathered"] = int(max(gathered))
     parts["activations"] = int(process.get("activations") or 0)
     parts["runtime"] = int(process.get("baseline") or 0)
     parts["rest"] = int(process["peak"]) - sum(parts.values())
