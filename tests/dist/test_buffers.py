@@ -3,7 +3,7 @@
 The gradient staging pool (``grads/staging.py``: ``StagingPool``) holds ``count`` = 2 buffers,
 each the size of the largest bucket, in the reduce dtype, and, where gradients are
 reduce-scattered (stages 1-3) point to point (gloo on CPU, as here), the (N-1)/N of it that the
-reduce-scatter receives into ([Note: point-to-point reduce-scatter] in comm/communicator.py).
+reduce-scatter receives into ([Note: point-to-point reduce-scatter] in comm/gloo_cpu.py).
 A bucket is ``bucket_bytes`` of parameters in their stored (compute) dtype, rounded down to a
 multiple of N x align elements (``partition/layout.py: build_layout``; align = 16 B), so for a
 model larger than one bucket::
@@ -128,5 +128,6 @@ def test_comm_buffers_do_not_grow_with_the_model(world, stage, precision):
 
 def test_default_bucket_is_32_mib():
     """The default suits gloo and NCCL alike (large enough to amortise a collective's latency,
-    small enough to bound staging at 2 x 32 MiB x r/e whatever the model)."""
+    small enough to bound staging at 2 x 32 MiB x r/e whatever the model; on gloo CPU x (2N-1)/N
+    with the receive buffers)."""
     assert zerodp.ZeroConfig().bucket_bytes == 32 * 2**20

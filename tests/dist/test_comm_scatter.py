@@ -1,5 +1,5 @@
 """Point-to-point reduce-scatter on gloo CPU ([Note: point-to-point reduce-scatter] in
-comm/communicator.py): the same sums as the reduce-per-chunk path, several in flight at once
+comm/gloo_cpu.py): the same sums as the reduce-per-chunk path, several in flight at once
 (waited for newest first), the receive buffer's size and the input's split checked, and the
 same traffic in the ledger."""
 
@@ -42,6 +42,13 @@ def case_point_to_point() -> dict[str, Any]:
     for h in reversed(handles):
         h.wait()
     out["p2p"] = [torch.equal(o, e[own]) for o, e in zip(outputs, expected, strict=True)]
+    # ... received point to point: each buffer holds the other ranks' contributions to this
+    # rank's chunk, in rank order (not filled: gloo's reduce ran instead).
+    peers = [r for r in range(n) if r != rank]
+    out["received"] = [
+        torch.equal(received[c], torch.cat([_contribution(r, c, n)[own] for r in peers]))
+        for c in range(3)
+    ]
 
     # In place (the output is this rank's chunk of the input), as the staging buffers use it.
     x = _contribution(rank, 0, n)
@@ -74,6 +81,7 @@ def test_point_to_point_reduce_scatter(world, world_size):
     for o in world(n).run(case_point_to_point, timeout=TIMEOUT):
         assert o["receive_numel"] == (n - 1) * CHUNK
         assert o["p2p"] == [True, True, True]
+        assert o["received"] == [True, True, True]
         assert o["in_place"] and o["per_chunk"]
         assert o["short"] == (
             f"received holds {(n - 1) * CHUNK - 1} elements, not {(n - 1) * CHUNK}"

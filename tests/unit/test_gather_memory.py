@@ -25,6 +25,7 @@ def test_released_memory_goes_to_the_next_gather_of_that_size() -> None:
     a, _ = _buffer()
     b, b_view = _buffer()
     memory.fill(a.untyped_storage(), NBYTES, in_use=0)  # nothing kept yet: allocated
+    assert a.untyped_storage().nbytes() == NBYTES
     a.fill_(7.0)
     where = a.data_ptr()
     memory.take(a.untyped_storage(), in_use=0)
@@ -57,8 +58,26 @@ def test_other_sizes_allocate_and_free_what_no_longer_fits() -> None:
     memory.fill(d.untyped_storage(), 2 * NBYTES, in_use=2 * NBYTES)  # c gathered: 1 + 2 + 2 > 4
     assert d.untyped_storage().nbytes() == 2 * NBYTES
     assert memory.cached_bytes == 0  # the kept 1 x was freed to make room
-    memory.make_room(4 * NBYTES, in_use=0)  # nothing kept: nothing to free
-    assert memory.cached_bytes == 0
+
+
+def test_room_is_made_from_the_largest_size_under_the_bound_read_then() -> None:
+    bound = [6 * NBYTES]
+    memory = GatherMemory(lambda: bound[0])
+    small, large = _empty(NUMEL), _empty(2 * NUMEL)
+    for t, nbytes in ((small, NBYTES), (large, 2 * NBYTES)):
+        memory.fill(t.untyped_storage(), nbytes, in_use=0)
+    memory.take(small.untyped_storage(), in_use=2 * NBYTES)
+    memory.take(large.untyped_storage(), in_use=0)
+    assert memory.cached_bytes == 3 * NBYTES  # both sizes kept
+    memory.make_room(4 * NBYTES, in_use=0)  # 3 + 4 > 6: the 2 x goes, the 1 x stays
+    assert memory.cached_bytes == NBYTES
+    memory.fill(large.untyped_storage(), 2 * NBYTES, in_use=0)  # allocated: none of that size
+    assert memory.cached_bytes == NBYTES
+    bound[0] = 2 * NBYTES  # e.g. buffers re-stored in bf16: read at the next allocation
+    memory.fill(_empty(3 * NUMEL).untyped_storage(), 3 * NBYTES, in_use=0)
+    assert memory.cached_bytes == 0  # 1 + 3 > 2: the kept 1 x was freed
+    memory.take(large.untyped_storage(), in_use=3 * NBYTES)  # over the new bound: freed
+    assert memory.cached_bytes == 0 and large.untyped_storage().nbytes() == 0
 
 
 def test_nothing_kept_beyond_the_limit() -> None:

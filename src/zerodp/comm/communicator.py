@@ -1,4 +1,5 @@
-"""The one place that calls ``torch.distributed``.
+"""Every collective goes through here (gloo_cpu.py builds some of them from others for gloo
+on CPU; the comm package is the only one that calls ``torch.distributed``).
 
 ``Communicator`` binds a process group (the data-parallel group: ``None`` means the default
 group; a 1-D ``DeviceMesh`` its group, see ``groups.py``) and a ``CommLedger``. Every collective
@@ -21,6 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.gloo_cpu import (
+    TAGS,
+    broadcast_per_chunk,
+    copy_unless_alias,
+    gloo_on_cpu,
+    receives_point_to_point,
+    reduce_per_chunk,
+    reduce_point_to_point,
+)
 from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
 from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
@@ -29,10 +39,6 @@ from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
 DEFAULT_WATCHDOG_S = 300.0
 
 log = logging.getLogger(__name__)
-
-# Tags of point-to-point reduce-scatters cycle through this many values: far more than can be
-# in flight at once (the staging pools hold a few buffers).
-_P2P_TAGS = 1 << 12
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -109,14 +115,8 @@ class Communicator:
         # use the default group: only right when it is this group.
         self.default_world_size = dist.get_world_size()
         self.is_default_group = self.world_size == self.default_world_size
-        # [Note: gloo chunked collectives] gloo's reduce_scatter_single / all_gather_single copy
-        # the whole bucket and allocate bucket-sized temporaries on the calling thread (measured
-        # 36-40 ms and 15-23 ms for a 25 MiB bucket on 2 ranks, against 30 and 10-13 ms for one
-        # in-place reduce / broadcast per owner chunk, which move the same data). On gloo we
-        # therefore run them chunk by chunk, and a reduce-scatter given a receive buffer point
-        # to point ([Note: point-to-point reduce-scatter]); the ledger records the logical
-        # collective.
-        self._chunked_cpu = _gloo_on_cpu(self.backend)
+        # [Note: gloo chunked collectives] in gloo_cpu.py.
+        self._chunked_cpu = gloo_on_cpu(self.backend)
         self._p2p_calls = 0  # point-to-point reduce-scatters issued: their tags
         self.timeout_s = watchdog_s
         # One rank issues no collective: nothing to watch, no publishing thread.
@@ -239,7 +239,7 @@ class Communicator:
         ``input`` (in-place), which gloo and NCCL both support. ``received``: a buffer of
         ``receive_numel`` elements where that is not 0; every rank passes one or none."""
         if self.world_size == 1:
-            _copy_unless_alias(output, input)
+            copy_unless_alias(output, input)
             return Handle(None)
         if input.numel() % self.world_size:
             raise ValueError(
@@ -259,55 +259,12 @@ class Communicator:
                 async_op,
             )
         chunks = input.chunk(self.world_size)
-        if received is not None:
-            return self._reduce_scatter_p2p(output, chunks, received, async_op)
-        # One in-place reduce per owner chunk; ``input``'s other chunks become scratch.
-        own = chunks[self.rank]
-        after = None if own.data_ptr() == output.data_ptr() else (lambda: output.copy_(own))
-        return self._run(
-            "reduce_scatter",
-            lambda: [
-                dist.reduce(c, group=group, group_dst=r, async_op=True)
-                for r, c in enumerate(chunks)
-            ],
-            async_op,
-            after,
-        )
-
-    def _reduce_scatter_p2p(
-        self,
-        output: torch.Tensor,
-        chunks: tuple[torch.Tensor, ...],
-        received: torch.Tensor,
-        async_op: bool,
-    ) -> Handle:
-        """[Note: point-to-point reduce-scatter] gloo's reduce moves more than the chunk it
-        reduces (measured on 2 ranks for 12 MiB: 7.5 ms and 5.4 ms of CPU over all threads per
-        reduce-scatter of one reduce per chunk, against 3.6 ms and 2.4 ms here). Here every
-        rank sends each other rank its chunk and receives theirs of its own into ``received``;
-        the rank that waits adds them to its own chunk, the others in rank order (for 3 ranks
-        or more not gloo's order: the sums agree to rounding). The tag numbers the calls, so two
-        in flight between the same ranks never take each other's data."""
-        n, rank, group = self.world_size, self.rank, self.group
-        own = chunks[rank]
-        numel = own.numel()
-        peers = [r for r in range(n) if r != rank]
-        parts = received[: numel * (n - 1)].view(n - 1, numel)
-        tag = self._p2p_calls % _P2P_TAGS
+        if received is None:
+            launch, after = reduce_per_chunk(group, self.rank, output, chunks)
+            return self._run("reduce_scatter", launch, async_op, after)
+        tag = self._p2p_calls % TAGS
         self._p2p_calls += 1
-
-        def launch() -> list[Any]:
-            works = [
-                dist.irecv(parts[k], group=group, group_src=r, tag=tag) for k, r in enumerate(peers)
-            ]
-            works += [dist.isend(chunks[r], group=group, group_dst=r, tag=tag) for r in peers]
-            return works
-
-        def add() -> None:
-            for part in parts:
-                own.add_(part)
-            _copy_unless_alias(output, own)
-
+        launch, add = reduce_point_to_point(group, self.rank, output, chunks, received, tag)
         return self._run("reduce_scatter", launch, async_op, add)
 
     def _chunked(self, tensor: torch.Tensor) -> bool:
@@ -318,7 +275,7 @@ class Communicator:
     ) -> Handle:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias chunk r."""
         if self.world_size == 1:
-            _copy_unless_alias(output, input)
+            copy_unless_alias(output, input)
             return Handle(None)
         self.ledger.record("all_gather", output.numel(), output.element_size(), MODEL)
         group = self.group
@@ -329,15 +286,8 @@ class Communicator:
                 async_op,
             )
         chunks = output.chunk(self.world_size)
-        _copy_unless_alias(chunks[self.rank], input)
-        return self._run(
-            "all_gather",
-            lambda: [
-                dist.broadcast(c, group=group, group_src=r, async_op=True)
-                for r, c in enumerate(chunks)
-            ],
-            async_op,
-        )
+        copy_unless_alias(chunks[self.rank], input)
+        return self._run("all_gather", broadcast_per_chunk(group, chunks), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, category: str = MODEL) -> None:
         """Broadcast from group rank ``src``."""
@@ -433,17 +383,6 @@ class Communicator:
         self._run("barrier", lambda: dist.barrier(group=group, async_op=True), False)
 
 
-def _gloo_on_cpu(backend: str) -> bool:
-    return backend == "gloo" or "cpu:gloo" in backend
-
-
-def receives_point_to_point(backend: str, device: torch.device) -> bool:
-    """Whether a reduce-scatter of ``device`` tensors over ``backend`` runs point to point, into
-    a receive buffer of (N-1)/N of its input ([Note: point-to-point reduce-scatter]): gloo on
-    CPU."""
-    return _gloo_on_cpu(backend) and device.type == "cpu"
-
-
 def _pickled(obj: object, device: torch.device) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -451,11 +390,6 @@ def _pickled(obj: object, device: torch.device) -> torch.Tensor:
 
 def _unpickled(t: torch.Tensor) -> Any:
     return pickle.loads(t.cpu().numpy().tobytes())  # our own ranks' pickles
-
-
-def _copy_unless_alias(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.data_ptr() != src.data_ptr():
-        dst.copy_(src)
 
 
 _EXIT_HOOK: list[bool] = []

@@ -14,7 +14,7 @@ from zerodp.partition.segment import Segment
 
 class Staged(NamedTuple):
     """A staging view and the buffer its reduce-scatter receives into (None: none needed,
-    [Note: point-to-point reduce-scatter] in comm/communicator.py)."""
+    [Note: point-to-point reduce-scatter] in comm/gloo_cpu.py)."""
 
     data: torch.Tensor
     received: torch.Tensor | None

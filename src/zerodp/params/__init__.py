@@ -4,7 +4,8 @@ Files, top-down: ``manager`` (the engine's entry point and accounting), ``hooks`
 [Note: stage-3 schedule]), ``saved`` ([Note: backward without parameters]: which units the
 backward need not gather), ``prefetch`` ([Note: prefetch]), ``unit`` (a unit's lifecycle and its
 all-gathers), ``reduce`` (its reduce-scatters: [Note: stage-3 reduce chunks]), ``order``
-(divergence checks), ``segment`` ([Note: sharded storage]), ``access`` (refusing reads of
+(divergence checks), ``segment`` ([Note: sharded storage]), ``reuse`` ([Note: reused gather
+memory]), ``access`` (refusing reads of
 released parameters), ``policy`` ([Note: units]), ``build`` ([Note: sharded construction]),
 ``full`` (``full_parameters`` and ``state_dict``).
 """

@@ -5,9 +5,9 @@ A unit's full buffer gets its memory back for every gather and gives it up at th
 ([Note: sharded storage] in segment.py). On CUDA the caching allocator keeps the freed block
 for the next request. The CPU allocator does not: it returns buffers of megabytes to the
 operating system, so every gather writes into fresh pages, and the first touch of each page
-faults. Measured on torch 2.13 CPU for a 6 MiB copy into a fresh buffer: 0.7-1.5 ms against
-0.12 ms into a reused one; a 25M-parameter GPT on 2 ranks gathers 180 MiB per step, which was
-34 ms of faults in forward alone (ZeRO-3 bench, issue 18).
+faults. Measured on torch 2.13 CPU for a 6 MiB copy into a fresh buffer: 0.7-1.5 ms alone, 2.3
+ms inside the bench's step, against 0.12 ms into a reused one; the bench's 25M-parameter GPT on
+2 ranks gathers 16 units of 12 MiB per step: 34 ms per step in that one copy (issue 18).
 
 So on CPU the released memory is kept here, keyed by size, and handed to the next gather of a
 buffer of that size by swapping data pointers: the buffer's storage object stays the same, so

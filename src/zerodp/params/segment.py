@@ -7,7 +7,9 @@ holds only ``shard`` (its 1/N, the all-gather input, and what the optimizer upda
 training). ``param_buffer`` is one persistent tensor whose *storage* is resized to 0 at rest and
 back while gathered, and ``views`` are the parameters' full-shape views of it, made once: autograd
 saves views of parameters in forward, and those keep pointing at the same storage object, so
-they are valid again after the re-gather in backward (FSDP1's trick). Memory is really freed.
+they are valid again after the re-gather in backward (FSDP1's trick). Memory is really freed
+(on CPU: kept for the next gather of that size, under the gather bound, [Note: reused gather
+memory] in reuse.py).
 
 A parameter's ``.data`` is its view while gathered and a *placeholder* at rest; see
 [Note: released placeholders] below and [Note: safe reads] in ``access.py``.

@@ -70,8 +70,9 @@ class TrainOptions:
     def bucket_bytes_for(self, param_bytes: int) -> int:
         """``--bucket-mb``; by default ZeroConfig's 32 MiB, but at most 1/8 of the model's
         ``param_bytes``. A small model then still has several buckets (reduction overlaps
-        backward), and stage 2's two staging buckets (3/8 of the model at N=2, with their 1/N
-        scratch) stay below the gradient memory it saves (1/2 of the model at N=2)."""
+        backward), and stage 2's two staging buckets (3/8 of the model at N=2 with the half of
+        each its reduce-scatter receives into on gloo CPU) stay below the gradient memory it
+        saves (1/2 of the model at N=2)."""
         if self.bucket_mb is not None:
             return max(1, int(self.bucket_mb * MIB))
         return max(MIN_AUTO_BUCKET_BYTES, min(DEFAULT_BUCKET_BYTES, param_bytes // 8))
