@@ -225,6 +225,10 @@ class Communicator:
         it does not."""
         if self.world_size == 1 or not receives_point_to_point(self.backend, device):
             return 0
+        return self._others_numel(numel)
+
+    def _others_numel(self, numel: int) -> int:
+        """Elements of the other ranks' chunks of a ``numel``-element input."""
         return numel // self.world_size * (self.world_size - 1)
 
     def reduce_scatter(
@@ -247,7 +251,7 @@ class Communicator:
                 "the input must split into equal chunks"
             )
         if received is not None:
-            needed = input.numel() // self.world_size * (self.world_size - 1)
+            needed = self._others_numel(input.numel())
             if received.numel() < needed:
                 raise ValueError(f"received holds {received.numel()} elements, not {needed}")
         self.ledger.record("reduce_scatter", input.numel(), input.element_size(), MODEL)
