@@ -9,9 +9,6 @@ start now, ``wait()`` when the result is needed.
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
 import logging
 import pickle
 from collections.abc import Callable, Iterator
@@ -33,6 +30,7 @@ from zerodp.comm.gloo_cpu import (
 )
 from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
+from zerodp.comm.process_group import collect_cycles_at_exit
 from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
 
 # [Note: watchdog] how long a rank waits in one collective before it says which rank is late.
@@ -128,7 +126,7 @@ class Communicator:
             self.watch = watch_for(default, store, self.rank, self.members)
             self.watch.use_timeout(watchdog_s)
             self.progress = self.watch.progress
-        _collect_cycles_at_exit()
+        collect_cycles_at_exit()
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -394,30 +392,3 @@ def _pickled(obj: object, device: torch.device) -> torch.Tensor:
 
 def _unpickled(t: torch.Tensor) -> Any:
     return pickle.loads(t.cpu().numpy().tobytes())  # our own ranks' pickles
-
-
-_EXIT_HOOK: list[bool] = []
-
-
-def _collect_cycles_at_exit() -> None:
-    """A model and its engine reference each other; left to the interpreter's final teardown,
-    their buffers (which gloo has touched) were seen to be freed after the C++ process-group
-    machinery and abort the process ("terminate called without an active exception"). Collecting
-    cycles at exit, while everything is still alive, avoids that."""
-    if not _EXIT_HOOK:
-        atexit.register(gc.collect)
-        _EXIT_HOOK.append(True)
-
-
-def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group from torchrun's environment variables."""
-    if dist.is_initialized():
-        return
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
