@@ -38,6 +38,10 @@ DEFAULT_WATCHDOG_S = 300.0
 
 log = logging.getLogger(__name__)
 
+# torch 2.13 renamed these two (the old names now warn); the package supports torch>=2.4.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -257,7 +261,7 @@ class Communicator:
         if not self._chunked(input):
             return self._run(
                 "reduce_scatter",
-                lambda: dist.reduce_scatter_single(output, input, group=group, async_op=True),
+                lambda: _reduce_scatter(output, input, group=group, async_op=True),
                 async_op,
             )
         chunks = input.chunk(self.world_size)
@@ -284,7 +288,7 @@ class Communicator:
         if not self._chunked(output):
             return self._run(
                 "all_gather",
-                lambda: dist.all_gather_single(output, input, group=group, async_op=True),
+                lambda: _all_gather(output, input, group=group, async_op=True),
                 async_op,
             )
         chunks = output.chunk(self.world_size)
@@ -341,7 +345,7 @@ class Communicator:
         else:
             handle = self._run(
                 "all_gather",
-                lambda: dist.all_gather_single(out, flat, group=group, async_op=True),
+                lambda: _all_gather(out, flat, group=group, async_op=True),
                 True,
             )
         return handle, out.view(self.world_size, *tensor.shape)
