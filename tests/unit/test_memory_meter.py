@@ -69,3 +69,30 @@ def test_a_cpu_rank_is_measured_by_its_rss() -> None:
     assert peak >= after >= now + 60 * 2**20
     assert meter.reserved() is None
     del block
+
+
+def test_the_categories_count_what_the_meter_measures() -> None:
+    """On a GPU the allocator does not see host memory: tensors elsewhere count 0 there, and
+    an offloaded optimizer state counts only its part on the device (seen on an H200: the
+    zero2-offload row counted 11.6 GB of host state against an 11.1 GB CUDA peak)."""
+    from dataclasses import replace
+
+    from zerodp import MemoryReport
+    from zerodp.apps.bench.peers import device_optimizer_state
+    from zerodp.apps.bench.probe import tensor_bytes
+
+    host = [torch.zeros(10), torch.zeros(3, dtype=torch.bfloat16)]
+    assert tensor_bytes(host, set(), "cuda") == 0
+    seen: set[tuple[str, int]] = set()
+    assert tensor_bytes([*host, host[0][2:]], seen, "cpu") == 46  # a view: its storage once
+    assert tensor_bytes(host, seen, "cpu") == 0  # already counted
+
+    report = MemoryReport(
+        rank=0, world_size=2, stage=2, num_params=8, padded_numel=8, parameters=16,
+        gradients=16, optimizer_state=96, master_parameters=32, optimizer_scalar_bytes=0,
+        comm_buffers=0, frozen_parameters=0, step_transient=0, precision="bf16", theory=None,
+    )  # fmt: skip
+    assert device_optimizer_state(report, "cuda") == 96
+    offloaded = replace(report, offload="cpu", optimizer_on_device=24)
+    assert device_optimizer_state(offloaded, "cuda") == 24
+    assert device_optimizer_state(offloaded, "cpu") == 96  # RSS: host memory is what it measures

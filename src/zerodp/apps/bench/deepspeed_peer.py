@@ -56,15 +56,17 @@ class DeepSpeedPeer(Peer):
         seen: set[tuple[str, int]] = set()
         params = list(self.engine.module.parameters())
         stored = [getattr(p, "ds_tensor", p) for p in params]  # stage 3: the partitions
-        out: dict[str, int | None] = {"parameters": tensor_bytes(stored, seen)}
+        out: dict[str, int | None] = {"parameters": tensor_bytes(stored, seen, self.device_type)}
         masters = [t for a in _MASTER_ATTRS for t in _walk(getattr(zero, a, None))]
         grads = [p.grad for p in params] + [t.grad for t in masters]
         grads += [t for k, v in vars(zero).items() if "grad" in k.lower() for t in _walk(v)]
-        out["gradients"] = tensor_bytes(grads, seen)
+        out["gradients"] = tensor_bytes(grads, seen, self.device_type)
         inner = getattr(zero, "optimizer", None)
         state = optimizer_state_tensors(inner) if isinstance(inner, torch.optim.Optimizer) else []
-        out["optimizer_state"] = tensor_bytes([*state, *masters], seen)
-        out["buffers"] = tensor_bytes((t for v in vars(zero).values() for t in _walk(v)), seen)
+        out["optimizer_state"] = tensor_bytes([*state, *masters], seen, self.device_type)
+        out["buffers"] = tensor_bytes(
+            (t for v in vars(zero).values() for t in _walk(v)), seen, self.device_type
+        )
         return out
 
     def full_params(self) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from zerodp import MemoryReport
 from zerodp.apps.bench.options import BenchOptions
 from zerodp.apps.bench.probe import optimizer_state_tensors, tensor_bytes
 from zerodp.apps.bench.systems import BY_NAME
@@ -56,6 +57,8 @@ class Peer:
         self.model = model  # what forward runs on (a wrapper, or the module itself)
         self.opt = opt
         self._autocast = autocast
+        # What the bench's meter measures ([Note: memory meters]): the model's device.
+        self.device_type = next((p.device.type for p in module.parameters()), "cpu")
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -76,9 +79,11 @@ class Peer:
         seen: set[tuple[str, int]] = set()
         params = list(self.module.parameters())
         return {
-            "parameters": tensor_bytes(params, seen),
-            "gradients": tensor_bytes((p.grad for p in params), seen),
-            "optimizer_state": tensor_bytes(optimizer_state_tensors(self.inner_optimizer()), seen),
+            "parameters": tensor_bytes(params, seen, self.device_type),
+            "gradients": tensor_bytes((p.grad for p in params), seen, self.device_type),
+            "optimizer_state": tensor_bytes(
+                optimizer_state_tensors(self.inner_optimizer()), seen, self.device_type
+            ),
             "buffers": None,
         }
 
@@ -110,6 +115,14 @@ class Peer:
         if not self._autocast:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def device_optimizer_state(report: MemoryReport, device_type: str) -> int:
+    """The optimizer state that the bench's meter sees: all of it on CPU, where host memory is
+    what RSS measures; on a GPU only what stays on the device when it is offloaded."""
+    if device_type == "cpu" or report.offload == "none":
+        return report.optimizer_state
+    return report.optimizer_on_device
 
 
 def ddp_bucket_bytes(ddp: Any) -> int | None:
@@ -144,7 +157,7 @@ class ZerodpPeer(Peer):
         return {
             "parameters": r.parameters,
             "gradients": r.gradients,
-            "optimizer_state": r.optimizer_state,
+            "optimizer_state": device_optimizer_state(r, self.device_type),
             "buffers": r.comm_buffers,
             "zerodp_report": r.to_dict(),
         }

@@ -78,13 +78,15 @@ class PhaseProbe:
         return out
 
 
-def tensor_bytes(values: Iterable[Any], seen: set[tuple[str, int]]) -> int:
-    """Bytes of the storages of ``values`` (tensors; anything else is skipped) not in ``seen``;
-    adds them to ``seen``. A storage of 0 bytes (a freed FSDP buffer) counts 0."""
+def tensor_bytes(values: Iterable[Any], seen: set[tuple[str, int]], device_type: str) -> int:
+    """Bytes of the storages of ``values`` (tensors; anything else is skipped) on devices of
+    ``device_type`` (what the bench's meter measures: on CUDA, host-resident offloaded state
+    is not in the allocator's figures) not in ``seen``; adds them to ``seen``. A storage of 0
+    bytes (a freed FSDP buffer) counts 0."""
     total = 0
     for value in values:
         t = local_tensor(value)
-        if t is None:
+        if t is None or t.device.type != device_type:
             continue
         with contextlib.suppress(RuntimeError):  # a tensor without storage (e.g. sparse)
             key = storage_key(t)
