@@ -279,6 +279,22 @@ def test_the_measured_peak_is_split_by_what_held_it() -> None:
     assert predicted["total"] == pytest.approx(sum(predicted[k] for k in PEAK_CATEGORIES[:6]))
 
 
+def test_stage_3_predicts_its_gathered_units_once() -> None:
+    """The comm buffers' theory is the staging buckets, as measured; the gathered units are
+    their own category, predicted by the schedule's bound (they were once also in the comm
+    buffers' theory: the train report on an H200 said 3.26 / 6.42 MB for a stage-3 run)."""
+    run = _run(3)
+    run.activations_theory = 100.0
+    measured = {**_memory(0, 3), "gathered_bound": 77}
+    theory = memory_theory(run, measured)
+    assert theory is not None
+    assert theory["comm_buffers"] == 2 * 4 * (PSI + 8)  # what stage 2 stages, nothing more
+    predicted = memory_peak_theory(run, measured)
+    assert predicted is not None
+    held = sum(theory[k] for k in ("parameters", "gradients", "optimizer_state", "comm_buffers"))
+    assert predicted["total"] == held + 77 + 100
+
+
 def test_activations_theory_counts_what_the_gpt_saves() -> None:
     """[Note: GPT activations], by hand: 2 layers, h 8, 2 heads, vocab 50, s 4, b 3, bf16."""
     gpt = GPTConfig(vocab_size=50, seq_len=4, n_layer=2, n_head=2, n_embd=8)

@@ -135,8 +135,8 @@ class MemoryReport:
             (
                 "comm buffers",
                 self.comm_buffers,
-                "gradient staging pool: 2 buckets in the reduce dtype (reduce-scattered over "
-                "gloo on CPU: each with a receive buffer of (N-1)/N of it), set by "
+                "gradient staging pool: 2 buckets in the reduce dtype (where gloo reduce-"
+                "scatters CPU tensors: each with a receive buffer of (N-1)/N of it), set by "
                 "bucket_bytes, not by the model size"
                 if self.comm_buffers
                 else "none: gradients are reduced in place in their buffer",

@@ -26,7 +26,7 @@ from torch import nn
 import zerodp
 from zerodp import ZeroOptimizer
 from zerodp.apps.data.corpus import decode, encode, load_corpus
-from zerodp.apps.models.gpt import GPT, Block, generate, get_config, num_parameters
+from zerodp.apps.models.gpt import GPT, generate, get_config, num_parameters
 from zerodp.apps.models.gpt_tp import tensor_parallel_gpt
 from zerodp.apps.train.checkpoints import resume
 from zerodp.apps.train.options import ErrorNote, TrainOptions
@@ -128,7 +128,6 @@ def _train_stage(
     if ctx.mesh is not None:  # every rank split the same full model: [Note: tensor parallelism]
         gpt = tensor_parallel_gpt(gpt, TensorParallel(ctx.mesh["tp"]))
         group = ctx.mesh["dp"]
-    largest_unit = _largest_unit_params(gpt)
     inner = torch.optim.AdamW(gpt.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     param_bytes = num_parameters(gpt) * dtype_bytes(options.precision)
     config = options.zero_config(stage, param_bytes)
@@ -142,7 +141,6 @@ def _train_stage(
         "activations": curves.activations,
     }
     result = _gather_result(stage, ctx, opt, curves, process)
-    result.largest_unit_bytes = largest_unit * result.element_size
     result.model_params = model_params
     cfg = gpt.config
     result.activations_theory = activations_theory(
@@ -153,14 +151,6 @@ def _train_stage(
     del model, opt, inner, gpt
     gc.collect()  # free this stage's buffers before the next stage allocates its own
     return result
-
-
-def _largest_unit_params(model: GPT) -> int:
-    """Stage 3 gathers one transformer block at a time, and the rest of the model as one root
-    unit; the larger bounds the gathered parameter buffer."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    block = max((num_parameters(b) for b in blocks), default=0)
-    return max(block, num_parameters(model) - sum(num_parameters(b) for b in blocks))
 
 
 def _gather_result(

@@ -32,7 +32,6 @@ class RunResult:
     bucket_bytes: int = 0
     receive_fraction: float = 0.0  # reduce-scatter receive buffers per staging bucket
     config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig.to_dict() of the run
-    largest_unit_bytes: int = 0  # the largest stage-3 gather unit, in parameter bytes
     activations_theory: float = 0.0  # the estimator's activations per rank (theory.py)
     memory: list[dict[str, Any]] = field(default_factory=list)  # MemoryReport.to_dict() per rank
     comm: dict[str, Any] | None = None  # CommStats.to_dict() of the last step

@@ -111,8 +111,8 @@ def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
         lines.append(f"  {row['rank']:>4}" + "".join(cells))
     lines.append(
         "  comm buffers: two staging buckets in the reduce dtype (stages 2-3, and every stage"
-        " when gradients are reduced in another dtype than they are stored in; reduce-scattered"
-        " over gloo on CPU, each with a receive buffer of (N-1)/N of it)"
+        " when gradients are reduced in another dtype than they are stored in; where gloo"
+        " reduce-scatters CPU tensors, each with a receive buffer of (N-1)/N of it)"
     )
     return lines + _peak_lines(per_rank) + _tier_lines(per_rank)
 

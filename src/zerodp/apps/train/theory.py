@@ -82,10 +82,12 @@ def memory_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, float] 
     # estimator's 2 x bucket_bytes would be the configured 32 MiB for a model of a few MB); its
     # staging copy is in the reduce dtype.
     bucket_numel = min(run.bucket_bytes // run.element_size, measured["padded_numel"])
+    # The staging buckets only, as the report's comm_buffers: stage 3's gathered units are
+    # their own category (``memory_peak_theory``: the schedule's bound). Counting them here
+    # too predicted them twice.
     buffers = comm_buffer_bytes(
         run.stage,
         bucket_numel * run.element_size,
-        largest_unit_bytes=run.largest_unit_bytes,
         param_bytes=run.element_size,
         reduce_bytes=run.reduce_element_size,
         receive_fraction=run.receive_fraction,
