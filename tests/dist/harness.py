@@ -196,6 +196,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
+# With a GPU, gloo carries the CUDA tensors too (NCCL refuses two ranks on one GPU): every rank
+# shares GPU 0, and the same tests run whatever the device of their tensors.
+BACKEND = "cpu:gloo,cuda:gloo" if torch.cuda.is_available() else "gloo"
+
+
 def _setup_worker(spec: _WorkerSpec) -> None:
     _sync_sys_path(spec.sys_path)
     # Append mode: the parent reads the file after signalling us; O_APPEND keeps dumps ordered.
@@ -209,7 +214,7 @@ def _setup_worker(spec: _WorkerSpec) -> None:
         torch.set_num_interop_threads(1)
     store = dist.FileStore(spec.store_path, spec.world_size)  # type: ignore[attr-defined, unused-ignore]
     dist.init_process_group(
-        "gloo",
+        BACKEND,
         store=store,
         rank=spec.rank,
         world_size=spec.world_size,
