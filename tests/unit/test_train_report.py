@@ -47,6 +47,7 @@ from zerodp.apps.train.theory import (
     activations_theory,
     memory_peak,
     memory_peak_theory,
+    working_theory,
 )
 from zerodp.apps.train.world import device_peak
 from zerodp.config import Activations
@@ -272,11 +273,12 @@ def test_the_measured_peak_is_split_by_what_held_it() -> None:
     assert peak["rest"] == 30000 - 9000 - 5000 - held and peak["source"] == "RSS"
     assert memory_peak(_memory(0, 2)) is None  # an older report: no measured peak
     run = _run(2)
-    run.activations_theory = 4321.0
+    run.activations_theory, run.working_theory = 4321.0, 555.0
     predicted = memory_peak_theory(run, {**m, "gathered_bound": 77})
     assert predicted is not None
     assert (predicted["activations"], predicted["gathered"]) == (4321.0, 77.0)
-    assert predicted["total"] == pytest.approx(sum(predicted[k] for k in PEAK_CATEGORIES[:6]))
+    assert predicted["rest"] == 555.0  # the backward's working set, as `zerodp estimate`'s margin
+    assert predicted["total"] == pytest.approx(sum(predicted[k] for k in PEAK_CATEGORIES[:7]))
 
 
 def test_stage_3_predicts_its_gathered_units_once() -> None:
@@ -292,7 +294,18 @@ def test_stage_3_predicts_its_gathered_units_once() -> None:
     predicted = memory_peak_theory(run, measured)
     assert predicted is not None
     held = sum(theory[k] for k in ("parameters", "gradients", "optimizer_state", "comm_buffers"))
-    assert predicted["total"] == held + 77 + 100
+    assert predicted["total"] == held + 77 + 100  # no working set given
+
+
+def test_working_theory_is_the_estimators_margin() -> None:
+    """The rest the train report predicts is the margin `zerodp estimate` adds: the larger of
+    the head's (logits, their two fp32 gradients, the final LayerNorm's gradient, the head's
+    weight gradient) and a block's working set ([Note: backward working set]), by hand."""
+    gpt = GPTConfig(vocab_size=50, seq_len=4, n_layer=2, n_head=2, n_embd=8)
+    logits = 3 * 4 * 50  # b·s·V
+    head = logits * 4 + 2 * 4 * logits + 3 * 4 * 8 * 4 + 50 * 8 * 4  # fp32: no cast back
+    block = 4 * 3 * 4 * 8 * 4 + 4 * 8 * 8 * 4
+    assert working_theory(gpt, 3, 4) == max(head, block) == head
 
 
 def test_activations_theory_counts_what_the_gpt_saves() -> None:

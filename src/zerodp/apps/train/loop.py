@@ -35,7 +35,7 @@ from zerodp.apps.train.result import RunResult
 from zerodp.apps.train.schedule import lr_factor
 from zerodp.apps.train.steps import Curves, run_steps
 from zerodp.apps.train.summary import format_summary
-from zerodp.apps.train.theory import activations_theory
+from zerodp.apps.train.theory import activations_theory, working_theory
 from zerodp.apps.train.world import RankContext, environment, join_world
 from zerodp.comm import destroy, receives_point_to_point
 from zerodp.comm.launch import record
@@ -145,6 +145,9 @@ def _train_stage(
     cfg = gpt.config
     result.activations_theory = activations_theory(
         cfg, options.batch, result.element_size, opt.config.activations, ctx.tensor_parallel
+    )
+    result.working_theory = working_theory(
+        cfg, options.batch, result.element_size, ctx.tensor_parallel
     )
     result.sample_prompt = SAMPLE_PROMPT
     result.sample_text = _sample(model, options, ctx)

@@ -33,6 +33,7 @@ class RunResult:
     receive_fraction: float = 0.0  # reduce-scatter receive buffers per staging bucket
     config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig.to_dict() of the run
     activations_theory: float = 0.0  # the estimator's activations per rank (theory.py)
+    working_theory: float = 0.0  # the estimator's backward working set per rank (theory.py)
     memory: list[dict[str, Any]] = field(default_factory=list)  # MemoryReport.to_dict() per rank
     comm: dict[str, Any] | None = None  # CommStats.to_dict() of the last step
     comm_volumes: list[int] = field(default_factory=list)  # volume of every step

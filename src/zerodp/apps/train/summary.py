@@ -119,7 +119,8 @@ def _memory_lines(per_rank: list[dict[str, Any]]) -> list[str]:
 
 def _peak_lines(per_rank: list[dict[str, Any]]) -> list[str]:
     """The measured peak of each rank ([Note: memory meters] in zerodp/memory/meter.py) beside
-    the estimator's prediction of what it can predict (all but the runtime and the rest)."""
+    the estimator's prediction of what it can predict (all but the runtime; as the rest, the
+    backward's working set)."""
     rows = [r for r in per_rank if r.get("peak")]
     if not rows:
         return []
@@ -130,7 +131,8 @@ def _peak_lines(per_rank: list[dict[str, Any]]) -> list[str]:
             f"  {row['rank']:>4}  {format_mb(peak['total'])}: before the model "
             f"{format_mb(peak['runtime'])}, activations {format_mb(peak['activations'])} / "
             f"{format_mb(predicted.get('activations'))}, gathered {format_mb(peak['gathered'])} / "
-            f"{format_mb(predicted.get('gathered'))}, rest {format_mb(peak['rest'])}; without "
+            f"{format_mb(predicted.get('gathered'))}, rest {format_mb(peak['rest'])} / "
+            f"{format_mb(predicted.get('rest'))}; without "
             f"what was there before the model {format_mb(peak['total'] - peak['runtime'])} / "
             f"{format_mb(predicted.get('total'))}"
         )

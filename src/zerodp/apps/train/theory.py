@@ -12,7 +12,7 @@ from typing import Any
 from zerodp.apps.models.gpt import GPTConfig, memory_shape
 from zerodp.apps.train.result import RunResult
 from zerodp.config import Activations
-from zerodp.memory import comm_buffer_bytes, gpt_saved_bytes
+from zerodp.memory import comm_buffer_bytes, gpt_saved_bytes, gpt_working_bytes
 
 MB = 1e6
 
@@ -128,16 +128,26 @@ def memory_peak(measured: dict[str, Any]) -> dict[str, Any] | None:
 
 def memory_peak_theory(run: RunResult, measured: dict[str, Any]) -> dict[str, Any] | None:
     """The estimator's prediction of the same peak: the model states and buffers
-    (``memory_theory``), the gathered units the stage-3 schedule bounds, and the activations
-    the forward leaves (``run.activations_theory``, exact for the shipped GPT); it has no
-    figure for the rest (the backward's temporaries) or the runtime."""
+    (``memory_theory``), the gathered units the stage-3 schedule bounds, the activations the
+    forward leaves (``run.activations_theory``, exact for the shipped GPT) and, as the rest, the
+    backward's working set on top of them (``run.working_theory``: the margin ``zerodp
+    estimate`` adds before it says "fits"); it has no figure for the runtime or for the
+    allocator's slack, which the measured rest also holds."""
     at_rest = memory_theory(run, measured)
     if at_rest is None:
         return None
     parts = {name: float(at_rest[name]) for name in MEMORY_CATEGORIES}
     parts["gathered"] = float(measured.get("gathered_bound") or 0)
     parts["activations"] = float(run.activations_theory)
+    parts["rest"] = float(run.working_theory)
     return {**parts, "total": sum(parts.values())}
+
+
+def working_theory(gpt: GPTConfig, batch: int, dtype_bytes: int, tensor_parallel: int = 1) -> float:
+    """The backward's working set of the shipped GPT per rank ([Note: backward working set] in
+    memory/activations.py)."""
+    shape = memory_shape(gpt, batch)
+    return float(gpt_working_bytes(shape, dtype_bytes=dtype_bytes, tensor_parallel=tensor_parallel))
 
 
 def activations_theory(
