@@ -34,4 +34,7 @@ say bench
 timeout 200 "${zerodp[@]}" bench --preset gpt1b --precision bf16 --world-size 1 --batch 4 --steps 5 \
     --warmup 2 --configs plain,zero2,zero3,zero2-offload,fsdp2 --quiet \
     --json "$out/gpu1b.json" 2>&1 | tee -a "$log"
+say "bench, two ranks on one GPU over gloo (the multi-rank CUDA paths, not NCCL's speed)"
+timeout 150 "${zerodp[@]}" bench --preset bench25m --precision bf16 --world-size 2 --backend gloo \
+    --configs ddp,zero2,zero3 --steps 3 --warmup 1 --quiet 2>&1 | head -12 | tee -a "$log"
 say done

@@ -143,6 +143,30 @@ def test_options_validate_and_serialise() -> None:
         BenchOptions(preset="nope")
 
 
+def test_the_backend_option_lets_ranks_share_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--backend gloo``: gloo carries CUDA tensors too, and ranks beyond the GPUs share them
+    round robin (NCCL refuses two ranks on one GPU); ``auto`` leaves the choice to
+    ``init_process_group`` (NCCL with CUDA, gloo on CPU)."""
+    from zerodp.apps.train.world import local_placement
+
+    assert BenchOptions().process_backend(cuda=True) is None
+    gloo = BenchOptions(backend="gloo")
+    assert gloo.process_backend(cuda=True) == "cpu:gloo,cuda:gloo"
+    assert gloo.process_backend(cuda=False) == "gloo"
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'gloo'\), got 'nccl'"):
+        BenchOptions(backend="nccl")
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    for rank in range(3):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert local_placement() == (rank, 3, torch.device("cuda", rank % 2))
+    assert chosen == [torch.device("cuda", i) for i in (0, 1, 0)]
+
+
 def test_phase_medians_keep_order() -> None:
     samples = [{"step": 1.0, "forward": 3.0}, {"forward": 5.0}]
     assert list(stats.phase_medians(samples, PHASES)) == ["forward", "step"]

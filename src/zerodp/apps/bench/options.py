@@ -15,6 +15,7 @@ from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
 from zerodp.apps.models.gpt import get_config
 
 MIB = 2**20
+BACKENDS = ("auto", "gloo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +43,9 @@ class BenchOptions:
     # zero3-infinity's files: a directory on the disk to measure (the temporary one by default)
     offload_dir: str = field(default_factory=tempfile.gettempdir)
     ring_buckets: int = 2  # offload rings (ZeroConfig.offload.ring_buckets)
+    # "auto": NCCL with CUDA, gloo on CPU. "gloo": gloo on CUDA too, which carries CUDA tensors
+    # and lets several ranks share one GPU (NCCL refuses that): for checks, not for speed.
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         parse_configs(",".join(self.configs))  # raises ValueError naming the bad names
@@ -53,12 +57,20 @@ class BenchOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.threads < 0 or self.profile_steps < 0:
             raise ValueError("warmup, threads and profile_steps must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
 
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * MIB))
+
+    def process_backend(self, cuda: bool) -> str | None:
+        """What ``init_process_group`` gets (None: its default for the device)."""
+        if self.backend == "auto":
+            return None
+        return "cpu:gloo,cuda:gloo" if cuda else "gloo"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

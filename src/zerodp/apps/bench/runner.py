@@ -61,7 +61,7 @@ def _join_world(options: BenchOptions) -> tuple[peers.RankInfo, Communicator]:
     # Ranks sharing a node share its cores: by default each gets its part, not all of them
     # (oversubscribed ranks run several times slower and much more noisily).
     torch.set_num_threads(options.threads or cores_per_rank(local_world))
-    init_from_env(timeout_s=_PG_TIMEOUT_S)
+    init_from_env(options.process_backend(device.type == "cuda"), timeout_s=_PG_TIMEOUT_S)
     comm = Communicator(None)  # barriers and rank facts; its ledger stays out of the report
     return peers.RankInfo(comm.rank, comm.world_size, local_rank, device), comm
 

@@ -99,6 +99,13 @@ def add_parser(subparsers: Any) -> None:
         help="zero3-infinity's files (default: the temporary directory); its disk is measured",
     )
     p.add_argument("--ring-buckets", type=positive_int, default=2, help="offload rings (default 2)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo"),
+        default="auto",
+        help="auto: NCCL with CUDA, gloo on CPU; gloo: gloo with CUDA too, so that several ranks "
+        "can share one GPU (for checks, not for speed; default auto)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="write the full report here")
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
@@ -124,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing,
         profile_steps=args.profile_steps,
         ring_buckets=args.ring_buckets,
+        backend=args.backend,
         **({"offload_dir": os.path.abspath(args.offload_dir)} if args.offload_dir else {}),
     )
     report = run_bench(options, quiet=args.quiet)

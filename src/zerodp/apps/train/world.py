@@ -61,12 +61,14 @@ def join_world(tensor_parallel: int = 1) -> RankContext:
 
 def local_placement() -> tuple[int, int, torch.device]:
     """(local rank, ranks on this node, device) from the launcher's environment; on CUDA the
-    rank's own GPU (by local rank) becomes the current device. Shared with ``zerodp bench``."""
+    rank's own GPU (by local rank) becomes the current device. Ranks beyond the node's GPUs
+    share them, round robin: gloo carries that (``zerodp bench --backend gloo``), NCCL refuses
+    it with its own error. Shared with ``zerodp bench``."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not torch.cuda.is_available():
         return local_rank, local_world, torch.device("cpu")
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return local_rank, local_world, device
 
