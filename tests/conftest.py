@@ -19,7 +19,7 @@ from harness import WorldPool, close_shared_pools, shared_pool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def world() -> Iterator[Callable[[int], WorldPool]]:
+def world() -> Iterator[Callable[..., WorldPool]]:
     """Factory for persistent multi-rank worlds: ``world(2).run(fn, *args)``.
 
     One pool per world size is shared by the whole session; a pool broken by a failing test

@@ -157,6 +157,7 @@ class _WorkerSpec:
     stack_path: str
     pg_timeout_s: float
     sys_path: list[str]
+    backend: str
 
 
 def _worker_main(spec: _WorkerSpec, conn: Connection) -> None:
@@ -196,9 +197,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
-# With a GPU, gloo carries the CUDA tensors too (NCCL refuses two ranks on one GPU): every rank
-# shares GPU 0, and the same tests run whatever the device of their tensors.
-BACKEND = "cpu:gloo,cuda:gloo" if torch.cuda.is_available() else "gloo"
+# For tests of CUDA tensors on one GPU (NCCL refuses two ranks on one GPU): gloo carries them
+# too. Opt-in per pool (``shared_pool(n, CUDA_GLOO)``): under it, zerodp's default device for
+# sharded construction becomes the GPU, which the CPU tests do not expect.
+CUDA_GLOO = "cpu:gloo,cuda:gloo"
 
 
 def _setup_worker(spec: _WorkerSpec) -> None:
@@ -214,7 +216,7 @@ def _setup_worker(spec: _WorkerSpec) -> None:
         torch.set_num_interop_threads(1)
     store = dist.FileStore(spec.store_path, spec.world_size)  # type: ignore[attr-defined, unused-ignore]
     dist.init_process_group(
-        BACKEND,
+        spec.backend,
         store=store,
         rank=spec.rank,
         world_size=spec.world_size,
@@ -345,6 +347,7 @@ class WorldPool:
         start_timeout: float = 120.0,
         pg_timeout: float = 300.0,
         start_method: str = DEFAULT_START_METHOD,
+        backend: str = "gloo",
     ) -> None:
         """
         Args:
@@ -355,6 +358,7 @@ class WorldPool:
             pg_timeout: gloo's own collective timeout.  Longer than typical ``run`` timeouts
                 so that a hang is reported by the harness, with stacks, not by gloo.
             start_method: multiprocessing start method ("forkserver" or "spawn").
+            backend: the default group's (``CUDA_GLOO`` for CUDA tensors on one GPU).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -362,6 +366,7 @@ class WorldPool:
         self.grace = grace
         self.start_timeout = start_timeout
         self.pg_timeout = pg_timeout
+        self.backend = backend
         self._ctx = _mp_context(start_method)
         self._workers: list[_Worker] = []
         self._tmpdir: str | None = None
@@ -456,6 +461,7 @@ class WorldPool:
                 stack_path=os.path.join(self._tmpdir, f"rank{rank}.stack"),
                 pg_timeout_s=self.pg_timeout,
                 sys_path=list(sys.path),
+                backend=self.backend,
             )
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
@@ -657,14 +663,16 @@ def _indent(text: str, prefix: str) -> str:
 # Shared pools and one-shot worlds.
 
 _live_pools: set[WorldPool] = set()  # pools with workers, so atexit can reap them
-_shared_pools: dict[int, WorldPool] = {}
+_shared_pools: dict[tuple[int, str], WorldPool] = {}
 
 
-def shared_pool(world_size: int) -> WorldPool:
-    """The process-wide pool for ``world_size`` (what the ``world`` fixture hands out)."""
-    pool = _shared_pools.get(world_size)
+def shared_pool(world_size: int, backend: str = "gloo") -> WorldPool:
+    """The process-wide pool for ``world_size`` ranks over ``backend`` (what the ``world``
+    fixture hands out)."""
+    key = (world_size, backend)
+    pool = _shared_pools.get(key)
     if pool is None:
-        pool = _shared_pools[world_size] = WorldPool(world_size)
+        pool = _shared_pools[key] = WorldPool(world_size, backend=backend)
     return pool
 
 

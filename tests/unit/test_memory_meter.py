@@ -73,12 +73,13 @@ def test_a_cpu_rank_is_measured_by_its_rss() -> None:
 
 def test_the_categories_count_what_the_meter_measures() -> None:
     """On a GPU the allocator does not see host memory: tensors elsewhere count 0 there, and
-    an offloaded optimizer state counts only its part on the device (seen on an H200: the
-    zero2-offload row counted 11.6 GB of host state against an 11.1 GB CUDA peak)."""
+    offloaded model states count only their part on the device (seen on an H200: the
+    zero2-offload row counted 11,577 MiB of host optimizer state against an 11,078 MiB CUDA
+    peak). On CPU, RSS measures host memory: the host copies count too."""
     from dataclasses import replace
 
     from zerodp import MemoryReport
-    from zerodp.apps.bench.peers import device_optimizer_state
+    from zerodp.apps.bench.peers import measured_categories
     from zerodp.apps.bench.probe import tensor_bytes
 
     host = [torch.zeros(10), torch.zeros(3, dtype=torch.bfloat16)]
@@ -88,11 +89,16 @@ def test_the_categories_count_what_the_meter_measures() -> None:
     assert tensor_bytes(host, seen, "cpu") == 0  # already counted
 
     report = MemoryReport(
-        rank=0, world_size=2, stage=2, num_params=8, padded_numel=8, parameters=16,
+        rank=0, world_size=2, stage=3, num_params=8, padded_numel=8, parameters=16,
         gradients=16, optimizer_state=96, master_parameters=32, optimizer_scalar_bytes=0,
         comm_buffers=0, frozen_parameters=0, step_transient=0, precision="bf16", theory=None,
     )  # fmt: skip
-    assert device_optimizer_state(report, "cuda") == 96
-    offloaded = replace(report, offload="cpu", optimizer_on_device=24)
-    assert device_optimizer_state(offloaded, "cuda") == 24
-    assert device_optimizer_state(offloaded, "cpu") == 96  # RSS: host memory is what it measures
+    kept = {"parameters": 16, "gradients": 16, "optimizer_state": 96}
+    assert measured_categories(report, "cuda") == measured_categories(report, "cpu") == kept
+    offloaded = replace(
+        report, offload="cpu", optimizer_on_device=24, host_gradients=32, host_parameters=8
+    )
+    on_gpu = {"parameters": 16, "gradients": 16, "optimizer_state": 24}
+    assert measured_categories(offloaded, "cuda") == on_gpu
+    in_rss = {"parameters": 24, "gradients": 48, "optimizer_state": 96}
+    assert measured_categories(offloaded, "cpu") == in_rss

@@ -283,8 +283,7 @@ def test_the_measured_peak_is_split_by_what_held_it() -> None:
 
 def test_stage_3_predicts_its_gathered_units_once() -> None:
     """The comm buffers' theory is the staging buckets, as measured; the gathered units are
-    their own category, predicted by the schedule's bound (they were once also in the comm
-    buffers' theory: the train report on an H200 said 3.26 / 6.42 MB for a stage-3 run)."""
+    their own category, predicted by the schedule's bound, and counted once in the total."""
     run = _run(3)
     run.activations_theory = 100.0
     measured = {**_memory(0, 3), "gathered_bound": 77}
@@ -306,6 +305,11 @@ def test_working_theory_is_the_estimators_margin() -> None:
     head = logits * 4 + 2 * 4 * logits + 3 * 4 * 8 * 4 + 50 * 8 * 4  # fp32: no cast back
     block = 4 * 3 * 4 * 8 * 4 + 4 * 8 * 8 * 4
     assert working_theory(gpt, 3, 4) == max(head, block) == head
+    # bf16 with the logits' cast back; the head and the 4h-wide layers split over 2 TP ranks
+    half = logits // 2
+    head = half * 2 + 2 * 4 * half + half * 2 + 3 * 4 * 8 * 2 + 50 * 8 * 2 // 2
+    block = (4 * 3 * 4 * 8 * 2 + 4 * 8 * 8 * 2) // 2
+    assert working_theory(gpt, 3, 2, tensor_parallel=2) == max(head, block) == head
 
 
 def test_activations_theory_counts_what_the_gpt_saves() -> None:

@@ -117,12 +117,23 @@ class Peer:
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def device_optimizer_state(report: MemoryReport, device_type: str) -> int:
-    """The optimizer state that the bench's meter sees: all of it on CPU, where host memory is
-    what RSS measures; on a GPU only what stays on the device when it is offloaded."""
-    if device_type == "cpu" or report.offload == "none":
-        return report.optimizer_state
-    return report.optimizer_on_device
+def measured_categories(report: MemoryReport, device_type: str) -> dict[str, int]:
+    """Model states by category as the bench's meter sees them. On CPU, RSS measures host
+    memory too: offloaded parameter shards count as parameters, the host's fp32 gradient as
+    gradients, the offloaded optimizer state as such. On a GPU only what stays on the device:
+    the persistent parameters, the device gradients, the optimizer state not offloaded."""
+    if device_type == "cpu":
+        return {
+            "parameters": report.parameters + report.host_parameters,
+            "gradients": report.gradients + report.host_gradients,
+            "optimizer_state": report.optimizer_state,
+        }
+    state = report.optimizer_state if report.offload == "none" else report.optimizer_on_device
+    return {
+        "parameters": report.parameters,
+        "gradients": report.gradients,
+        "optimizer_state": state,
+    }
 
 
 def ddp_bucket_bytes(ddp: Any) -> int | None:
@@ -155,9 +166,7 @@ class ZerodpPeer(Peer):
     def memory(self) -> dict[str, int | None]:
         r = self.opt.memory_report()
         return {
-            "parameters": r.parameters,
-            "gradients": r.gradients,
-            "optimizer_state": device_optimizer_state(r, self.device_type),
+            **measured_categories(r, self.device_type),
             "buffers": r.comm_buffers,
             "zerodp_report": r.to_dict(),
         }
@@ -223,7 +232,7 @@ def _units(module: nn.Module) -> list[nn.Module]:
 def _build_ddp(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer:
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [info.local_rank] if info.device.type == "cuda" else None
+    ids = [info.device.index] if info.device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=options.bucket_mb)
     return DDPPeer(module, ddp, _adamw(module.parameters(), options), options.precision == "bf16")
 
@@ -238,7 +247,7 @@ def _build_zro(module: nn.Module, info: RankInfo, options: BenchOptions) -> Peer
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [info.local_rank] if info.device.type == "cuda" else None
+    ids = [info.device.index] if info.device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=options.bucket_mb)
     opt = ZeroRedundancyOptimizer(
         module.parameters(), optimizer_class=torch.optim.AdamW, **adamw_kwargs(options)
