@@ -479,6 +479,9 @@ class ZeroEngine:
             else 1.0,
         )
 
+    def offload_timing(self) -> dict[str, float] | None:
+        return self.runner.timing  # [Note: offload timing] in offload/timing.py
+
     def nvme_io(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier's files since initialize."""
         self.wait_optimizer()

@@ -110,3 +110,22 @@ def test_optimizer_clock_times_only_the_optimizers_own_steps() -> None:
     with OptimizerClock(opt, torch.device("cuda")) as clock:  # only a device name: no CUDA
         opt.step()
         assert clock.take() is None  # kernel launches are not the update: not timed
+
+
+def test_the_offloaded_steps_timing_is_a_median_of_timed_steps() -> None:
+    """Each step carries the record of the step before it ([Note: offload timing]); the table
+    shows the median of every figure in ms, and nothing for configurations without one."""
+    from zerodp.apps.bench.table import offload_medians
+    from zerodp.apps.bench.text import format_offload
+
+    def record(blocked: float) -> dict[str, float]:
+        keys = ("unpack", "optimizer", "cast", "landing")
+        return {"blocked": blocked, **dict.fromkeys(keys, 0.01), "unpack_chunks": 4.0}
+
+    steps = [{"offload": record(b)} for b in (0.003, 0.009, 0.004)] + [{}]
+    medians = offload_medians(steps)
+    assert medians is not None and medians["blocked"] == 0.004 and medians["unpack_chunks"] == 4
+    assert offload_medians([{}, {}]) is None
+    report = {"configs": {"zero2": {}, "zero2-offload": {"offload_timing_s": medians}}}
+    assert format_offload(report).splitlines()[2] == "| zero2-offload | 4 | 10 | 10 | 10 | 10 | 4 |"
+    assert format_offload({"configs": {"zero2": {}}}) == ""

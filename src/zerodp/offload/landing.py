@@ -13,6 +13,8 @@ model). Only the caller's thread uses it.
 
 from __future__ import annotations
 
+import time
+
 from zerodp.streams import Event, Streams
 
 
@@ -21,6 +23,7 @@ class Landing:
         self.streams = streams
         # (segment, bucket) -> the host work of each of its chunks ([Note: offload chunks])
         self._pending: dict[tuple[int, int], list[Event]] = {}
+        self._waited = 0.0  # seconds blocked on host work since ``take_waited``
 
     def expect(self, seg: int, bucket: int, stepped: Event) -> None:
         """``stepped``: the host work updating a chunk of this bucket; its result is the copy's
@@ -32,7 +35,11 @@ class Landing:
         for stepped in self._pending.get((seg, bucket), []):
             # Raises if the host work failed, and again at every later wait: the bucket was not
             # updated, and nothing may read it as if it had been.
-            copied = stepped.result()
+            start = time.perf_counter()
+            try:
+                copied = stepped.result()
+            finally:
+                self._waited += time.perf_counter() - start
             if copied is not None:
                 self.streams.compute.wait(copied)
         self._pending.pop((seg, bucket), None)
@@ -54,6 +61,12 @@ class Landing:
         """Forget every bucket (the engine is removed after a failure that was raised): no
         reader waits for them any more."""
         self._pending.clear()
+
+    def take_waited(self) -> float:
+        """Seconds the caller blocked on buckets' host work since the last call ([Note:
+        offload timing] in timing.py)."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
     @property
     def pending(self) -> int:

@@ -145,6 +145,10 @@ class PartialStep:
     def host_nbytes(self) -> dict[str, int]:
         return self.host.host_nbytes
 
+    @property
+    def timing(self) -> dict[str, float] | None:
+        return self.host.timing
+
 
 def offload_fraction(
     plan: Plan,

@@ -46,6 +46,7 @@ forward.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -58,6 +59,7 @@ from zerodp.offload.host_step import HostStepper
 from zerodp.offload.landing import Landing
 from zerodp.offload.ring import TransferRing
 from zerodp.offload.swap import SwapStore
+from zerodp.offload.timing import PipelineClock
 from zerodp.optim.clip import NormScope
 from zerodp.optim.masters import Masters, ReducedGrads
 from zerodp.optim.pieces import OptimPiece
@@ -115,6 +117,7 @@ class OffloadStep:
         self.home = home
         aligned = home is not None and home.aligned
         self.outgoing = TransferRing(self.streams, slots, largest, aligned=aligned)
+        self.clock = PipelineClock()  # [Note: offload timing]
 
     def host_gradient(self, k: int, chunk: HostChunk) -> torch.Tensor:
         """Where chunk ``k`` of a step's work list gets its fp32 gradient."""
@@ -157,6 +160,10 @@ class OffloadStep:
         return self.device.nbytes
 
     @property
+    def timing(self) -> dict[str, float] | None:
+        return self.clock.last
+
+    @property
     def host_nbytes(self) -> dict[str, int]:
         """Host memory besides the masters and optimizer state: gradient and rings."""
         stores = [part for part in (self.swap, self.spill) if part is not None]
@@ -186,6 +193,8 @@ class OffloadStep:
             self.home.invalidate()
         if self.spill is not None:  # every gradient on its file before the reads
             self.spill.settle()
+        self.clock.add("landing", self.landing.take_waited())
+        self.clock.next_step()  # the last step is complete: [Note: offload timing]
         index = [
             j for j, c in enumerate(self.chunks) if any(self._used(k, used) for k, _, _ in c.pieces)
         ]
@@ -193,7 +202,9 @@ class OffloadStep:
             return
         run = _StepRun(self, grads, HostStepper(optimizer), inv_scale, used, index)
         unpacked = run.start()
+        start = time.perf_counter()
         unpacked.wait()  # the device gradients are free once all are in host memory
+        self.clock.add("blocked", time.perf_counter() - start)
 
     def _used(self, k: int, used: list[list[bool]]) -> bool:
         op = self.pieces[k]
@@ -280,15 +291,16 @@ class _StepRun:
             previous = self.updated[k - self.r.grad_slots]
             assert previous is not None
             previous.wait()
-        src = self.r.incoming.view(k, c.numel, self.grads.grad_storage(c.seg).data.dtype)
-        dst.copy_(src)
-        if self.inv_scale != 1.0:  # the same products, in the same order, as on the device
-            dst.mul_(self.inv_scale)
-        for f in self.factors:
-            dst.mul_(f)
-        ahead = k + self.r.incoming.slots
-        if ahead < len(self.work):  # this slot is free again
-            self.fetched[ahead] = self._fetch(ahead)
+        with self.r.clock.working("unpack"):  # after the waits: [Note: offload timing]
+            src = self.r.incoming.view(k, c.numel, self.grads.grad_storage(c.seg).data.dtype)
+            dst.copy_(src)
+            if self.inv_scale != 1.0:  # the same products, in the same order, as on the device
+                dst.mul_(self.inv_scale)
+            for f in self.factors:
+                dst.mul_(f)
+            ahead = k + self.r.incoming.slots
+            if ahead < len(self.work):  # this slot is free again
+                self.fetched[ahead] = self._fetch(ahead)
 
     def _update(self, k: int, unpacked: Event) -> None:
         """The optimizer worker: step chunk ``k``'s used pieces."""
@@ -307,7 +319,8 @@ class _StepRun:
         mine = [(i, off, n) for i, off, n in c.pieces if self.r._used(i, self.used)]
         grad = self.r.host_gradient(k, c)
         pieces = [self.r.pieces[i] for i, _, _ in mine]
-        self.stepper.step(pieces, [grad.narrow(0, off, n) for _, off, n in mine])
+        with self.r.clock.working("optimizer"):
+            self.stepper.step(pieces, [grad.narrow(0, off, n) for _, off, n in mine])
 
     def _cast(self, k: int) -> Event | None:
         """The cast worker: chunk ``k``'s updated masters into the parameters (so the CPU's
@@ -326,7 +339,8 @@ class _StepRun:
             masters = swap.masters_of(self.index[k], k)
         else:
             masters = c.of(self.r.masters.storage(c.seg))
-        copied = self._land(k, c, masters)
+        with self.r.clock.working("cast"):
+            copied = self._land(k, c, masters)
         self.copied[k] = copied
         if swap is not None:
             written = self.writer.submit(partial(swap.write, self.index[k], k))

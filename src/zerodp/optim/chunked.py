@@ -189,6 +189,10 @@ class ChunkedGrads:
     def host_nbytes(self) -> dict[str, int]:
         return {}
 
+    @property
+    def timing(self) -> dict[str, float] | None:
+        return None
+
     def reset(self) -> None:
         self.coefs = []
 

@@ -152,6 +152,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         read, written = self._engine.nvme_io()
         return {"read_bytes": read, "written_bytes": written}
 
+    def offload_timing(self) -> dict[str, float] | None:
+        """With ``ZeroConfig.offload.optimizer`` set: the last complete step's seconds on the
+        host, per stage (``unpack``, ``optimizer``, ``cast``: busy time summed over chunks, and
+        their ``*_chunks`` counts), how long ``step`` blocked (``blocked``) and how long the
+        next forward waited for updates to land (``landing``). A step's record is complete
+        when the next step starts; None before that, or without offload ([Note: offload
+        timing] in offload/timing.py)."""
+        return self._engine.offload_timing()
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state: the inner optimizer's ``state_dict`` (one
         entry per owned piece) plus which piece of which parameter each entry is. Waits for an

@@ -80,6 +80,11 @@ class StepRunner(StepCheck, Protocol):
         """Host memory held besides the masters and optimizer state, as ``MemoryReport``'s
         ``host_*`` fields (offload; empty otherwise)."""
 
+    @property
+    def timing(self) -> dict[str, float] | None:
+        """The last complete offloaded step's times ([Note: offload timing] in
+        offload/timing.py); None where the step is not offloaded."""
+
 
 class WholeStep:
     """fp32: the user's optimizer steps views of the reduced gradients."""
@@ -150,6 +155,10 @@ class WholeStep:
     @property
     def host_nbytes(self) -> dict[str, int]:
         return {}
+
+    @property
+    def timing(self) -> dict[str, float] | None:
+        return None
 
     def reset(self) -> None:
         pass

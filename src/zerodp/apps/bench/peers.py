@@ -95,6 +95,10 @@ class Peer:
         """Bytes read from and written to NVMe files so far (zerodp's "nvme" tiers)."""
         return None
 
+    def offload_timing(self) -> dict[str, float] | None:
+        """zerodp's offloaded step: the last complete step's seconds per host stage."""
+        return None
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters on CPU, by name. A collective for sharded systems: every rank
         calls it."""
@@ -178,6 +182,10 @@ class ZerodpPeer(Peer):
     def nvme_io(self) -> dict[str, int] | None:
         io: dict[str, int] = self.opt.nvme_io()
         return io if any(io.values()) else None
+
+    def offload_timing(self) -> dict[str, float] | None:
+        timing: dict[str, float] | None = self.opt.offload_timing()
+        return timing
 
     def full_params(self) -> dict[str, torch.Tensor]:
         import zerodp

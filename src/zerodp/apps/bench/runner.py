@@ -291,4 +291,7 @@ def _step(
     }
     if saved is not None:
         out["forward_end"] = forward_end
+    offload = peer.offload_timing()  # the step before this one, now complete
+    if offload is not None:
+        out["offload"] = offload
     return out

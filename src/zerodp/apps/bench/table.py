@@ -27,6 +27,15 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers")
 RankResult = Mapping[str, Any]
 
 
+def offload_medians(steps: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """Median over timed steps of each figure of the offloaded step's record ([Note: offload
+    timing]); None without offload. Each step carries the record of the step before it."""
+    records = [s["offload"] for s in steps if s.get("offload")]
+    if not records:
+        return None
+    return {k: statistics.median(r[k] for r in records) for k in records[0]}
+
+
 def round_times(ranks: Sequence[RankResult], warmup: int) -> list[float]:
     """Per timed step, the slowest rank's total seconds."""
     per_rank = [[s["times"]["total"] for s in r["steps"][warmup:]] for r in ranks]
@@ -147,6 +156,7 @@ def config_report(
             else judge(parity, losses, reference_losses, precision),
             "losses_rank0": losses,
             "profile_rank0": rank0.get("profile"),
+            "offload_timing_s": offload_medians(rank0["steps"][warmup:]),
             "steps_per_rank": [r["steps"] for r in first],  # raw: times and RSS per phase
             "step_times_s": times,
             "nvme": rank0.get("nvme"),

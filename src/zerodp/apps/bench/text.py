@@ -183,6 +183,21 @@ def format_nvme(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def format_offload(report: Mapping[str, Any]) -> str:
+    """The offloaded step's own timing, where a configuration has one."""
+    head = ["config", "step blocked ms", "unpack ms", "optimizer ms", "cast ms"]
+    rows = _header([*head, "forward waiting ms", "chunks"])
+    found = False
+    for name, c in report["configs"].items():
+        t = c.get("offload_timing_s")
+        if not t:
+            continue
+        found = True
+        ms = [f"{t[k] * 1e3:.0f}" for k in ("blocked", "unpack", "optimizer", "cast", "landing")]
+        rows.append(_row([name, *ms, f"{t['unpack_chunks']:.0f}"]))
+    return "\n".join(rows) if found else ""
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     cuda = [
         f"- {n}: {fmt_mib(c['rss_bytes']['cuda_peak'])} MiB"
@@ -232,6 +247,14 @@ def format_report(report: Mapping[str, Any]) -> str:
     if nvme:
         title = "NVMe traffic per timed step, rank 0, and the disk measured in the same run:"
         out += ["", title, *nvme]
+    offload = format_offload(report)
+    if offload:
+        title = (
+            "Offloaded step, rank 0, median over timed steps: how long step() blocked until every "
+            "gradient was in host memory, each host stage's work summed over chunks, and how long "
+            "the caller then waited for updates to land ([Note: offload timing]):"
+        )
+        out += ["", title, "", offload]
     profile = format_profile_table(report)
     if profile:
         title = "Top operators by median self CPU ms per step (torch.profiler, rank 0):"
