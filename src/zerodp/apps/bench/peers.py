@@ -57,8 +57,9 @@ class Peer:
         self.model = model  # what forward runs on (a wrapper, or the module itself)
         self.opt = opt
         self._autocast = autocast
-        # What the bench's meter measures ([Note: memory meters]): the model's device.
-        self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+        # What the bench's meter measures ([Note: memory meters]): the rank's device (``build``
+        # sets it; a system may move parameters elsewhere, e.g. to host memory).
+        self.device_type = "cpu"
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -364,7 +365,9 @@ def build(name: str, module: nn.Module, info: RankInfo, options: BenchOptions) -
 
         for block in _units(module):
             zerodp.checkpoint_wrapper(block)
-    return BUILDERS[name](module, info, options)
+    peer = BUILDERS[name](module, info, options)
+    peer.device_type = info.device.type
+    return peer
 
 
 @contextlib.contextmanager
