@@ -11,11 +11,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.apps.bench.systems import BACKENDS, KNOWN, PRECISIONS, parse_configs
 from zerodp.apps.models.gpt import get_config
 
 MIB = 2**20
-BACKENDS = ("auto", "gloo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,6 +16,8 @@ REFERENCE = "ddp"
 """Every ratio and the parity check are against DistributedDataParallel."""
 
 PRECISIONS = ("fp32", "bf16")
+# auto: NCCL with CUDA, gloo on CPU; gloo: gloo on CUDA too (several ranks may share one GPU).
+BACKENDS = ("auto", "gloo")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from zerodp.apps.bench.systems import KNOWN, PRECISIONS, parse_configs
+from zerodp.apps.bench.systems import BACKENDS, KNOWN, PRECISIONS, parse_configs
 
 # argparse converters shared with `zerodp estimate` (same messages, exit status 2).
 from zerodp.apps.cli.argtypes import non_negative_int, positive_float, positive_int
@@ -101,7 +101,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ring-buckets", type=positive_int, default=2, help="offload rings (default 2)")
     p.add_argument(
         "--backend",
-        choices=("auto", "gloo"),
+        choices=BACKENDS,
         default="auto",
         help="auto: NCCL with CUDA, gloo on CPU; gloo: gloo with CUDA too, so that several ranks "
         "can share one GPU (for checks, not for speed; default auto)",
