@@ -158,3 +158,30 @@ def test_host_workers_are_threads_that_wait_for_device_work(streams):
     release.set()
     thread, total = done.result()
     assert thread != caller and total == 2.0 * src.numel()
+
+
+def test_a_cpu_worker_lets_go_of_its_work_before_the_event_completes(monkeypatch) -> None:
+    """The executor's worker holds its last work item until after the waiter woke; held
+    there (here: 0.3 s, as a descheduled worker would), the work's tensors must already be
+    free when ``wait`` returns (a flaky leak check in tests/dist/test_offload_nvme.py found
+    them alive)."""
+    from concurrent.futures import thread
+
+    original = thread._WorkItem.run
+
+    def run_then_linger(self):  # type: ignore[no-untyped-def]
+        original(self)
+        time.sleep(0.3)  # the worker's frame still holds this work item
+
+    monkeypatch.setattr(thread._WorkItem, "run", run_then_linger)
+    streams = CpuStreams()
+    try:
+        used, read = torch.ones(1000), torch.ones(1000)
+        gone = [weakref.ref(used), weakref.ref(read)]
+        event = streams.side("d2h").submit(lambda t=read: t.sum().item(), uses=[used])
+        del used, read
+        assert event.result() == 1000.0
+        gc.collect()
+        assert [r() is None for r in gone] == [True, True], "the worker still holds the work"
+    finally:
+        streams.close()

@@ -71,11 +71,19 @@ class WorkerStream:
         self._last: CpuEvent = _completed(None, name)
 
     def submit(self, fn: Callable[[], Any], uses: Sequence[torch.Tensor] = ()) -> Event:
-        def run(kept: tuple[torch.Tensor, ...] = tuple(uses)) -> Any:  # kept alive until run
+        # ``uses`` kept alive until the work ran, and no longer: the executor's worker holds
+        # its work item (so ``run`` and what ``run`` refers to) until after the waiter woke, so
+        # ``run`` empties ``box`` first. Otherwise a worker descheduled in that gap keeps the
+        # last work's tensors alive past its event, which a caller that frees them relies on.
+        box: list[Any] = [fn, tuple(uses)]
+
+        def run() -> Any:
+            work, _kept = box
+            box.clear()
             if self._failed is not None:
                 raise self._failed
             try:
-                return fn()
+                return work()
             except Exception as exc:
                 self._failed = failure(self.name, exc)
                 raise self._failed from exc
