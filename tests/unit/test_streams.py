@@ -163,8 +163,8 @@ def test_host_workers_are_threads_that_wait_for_device_work(streams):
 def test_a_cpu_worker_lets_go_of_its_work_before_the_event_completes(monkeypatch) -> None:
     """The executor's worker holds its last work item until after the waiter woke; held
     there (here: 0.3 s, as a descheduled worker would), the work's tensors must already be
-    free when ``wait`` returns (a flaky leak check in tests/dist/test_offload_nvme.py found
-    them alive)."""
+    free when ``wait`` returns (a leak check of tests/dist/test_offload_nvme.py failed once on
+    a busy machine with tensors alive; this window is one way that happens)."""
     from concurrent.futures import thread
 
     original = thread._WorkItem.run
