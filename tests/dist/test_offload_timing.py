@@ -51,7 +51,8 @@ def test_the_offloaded_step_times_its_stages(world):
             assert counts == [chunks] * 3, f"{counts} chunks timed, not {chunks} each"
             assert r["optimizer"] >= DELAY * chunks, f"optimizer busy {r['optimizer']:.4f} s"
             assert r["unpack"] > 0 and r["cast"] > 0, r
-            assert r["blocked"] >= 0 and r["landing"] >= 0, r
+            # The host step runs 5 ms per chunk past step()'s return: the next forward waits.
+            assert r["landing"] >= DELAY, f"landing {r['landing']:.4f} s"
 
 
 def test_without_offload_there_is_no_timing(world):

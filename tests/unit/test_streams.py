@@ -169,8 +169,8 @@ def test_a_cpu_worker_lets_go_of_its_work_before_the_event_completes(monkeypatch
 
     original = thread._WorkItem.run
 
-    def run_then_linger(self):  # type: ignore[no-untyped-def]
-        original(self)
+    def run_then_linger(self, *args):  # type: ignore[no-untyped-def]
+        original(self, *args)
         time.sleep(0.3)  # the worker's frame still holds this work item
 
     monkeypatch.setattr(thread._WorkItem, "run", run_then_linger)

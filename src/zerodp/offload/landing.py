@@ -38,10 +38,10 @@ class Landing:
             start = time.perf_counter()
             try:
                 copied = stepped.result()
+                if copied is not None:  # a file write blocks here; a device copy does not
+                    self.streams.compute.wait(copied)
             finally:
                 self._waited += time.perf_counter() - start
-            if copied is not None:
-                self.streams.compute.wait(copied)
         self._pending.pop((seg, bucket), None)
 
     def wait_segment(self, seg: int) -> None:

@@ -118,6 +118,7 @@ class OffloadStep:
         aligned = home is not None and home.aligned
         self.outgoing = TransferRing(self.streams, slots, largest, aligned=aligned)
         self.clock = PipelineClock()  # [Note: offload timing]
+        landing.take_waited()  # a rebuilt runner's clock starts from nothing
 
     def host_gradient(self, k: int, chunk: HostChunk) -> torch.Tensor:
         """Where chunk ``k`` of a step's work list gets its fp32 gradient."""
@@ -161,7 +162,7 @@ class OffloadStep:
 
     @property
     def timing(self) -> dict[str, float] | None:
-        return self.clock.last
+        return None if self.clock.last is None else dict(self.clock.last)
 
     @property
     def host_nbytes(self) -> dict[str, int]:

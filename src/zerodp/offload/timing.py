@@ -12,9 +12,10 @@ chunks; ``blocked`` is what ``step`` waited for the
 last unpack (the device gradients are free only then); ``landing`` is what the caller's thread
 waited, after ``step`` returned, for buckets' host work before reading them (the next forward,
 or the next step's start). A step's record is complete when the next step starts (its landings
-are all waited by then): ``OffloadStep.timing`` is the last complete one. Device copies are not
-timed here: on CUDA they run on side streams, and an event per chunk would cost more than it
-tells; what they hold up shows in ``blocked`` and ``landing``.
+are all waited by then): ``OffloadStep.timing`` is the last complete one. Not timed: device
+copies (on CUDA they run on side streams, and an event per chunk would cost more than it
+tells) and the NVMe tiers' reads and writes on their own workers; what they hold up shows in
+``blocked`` or ``landing`` only where the caller waits for them there.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class PipelineClock:
         ``last``, unless nothing ran in it."""
         with self._lock:
             done, self._current = self._current, _empty()
-        if any(done.values()):
+        if done["unpack_chunks"]:  # a step ran (not only waits left by a runner rebuilt)
             self.last = done
 
 

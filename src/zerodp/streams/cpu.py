@@ -78,15 +78,18 @@ class WorkerStream:
         box: list[Any] = [fn, tuple(uses)]
 
         def run() -> Any:
-            work, _kept = box
+            work, kept = box
             box.clear()
-            if self._failed is not None:
-                raise self._failed
             try:
-                return work()
-            except Exception as exc:
-                self._failed = failure(self.name, exc)
-                raise self._failed from exc
+                if self._failed is not None:
+                    raise self._failed
+                try:
+                    return work()
+                except Exception as exc:
+                    self._failed = failure(self.name, exc)
+                    raise self._failed from exc
+            finally:  # a raised error's traceback keeps this frame: not its tensors
+                del work, kept
 
         with self._lock:
             event = CpuEvent(self._pool.submit(run), self.name)

@@ -156,7 +156,8 @@ def config_report(
             else judge(parity, losses, reference_losses, precision),
             "losses_rank0": losses,
             "profile_rank0": rank0.get("profile"),
-            "offload_timing_s": offload_medians(rank0["steps"][warmup:]),
+            # Step i carries step i-1's record: from the second timed step on, timed records.
+            "offload_timing_s": offload_medians(rank0["steps"][warmup + 1 :]),
             "steps_per_rank": [r["steps"] for r in first],  # raw: times and RSS per phase
             "step_times_s": times,
             "nvme": rank0.get("nvme"),

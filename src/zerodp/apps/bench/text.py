@@ -186,7 +186,7 @@ def format_nvme(report: Mapping[str, Any]) -> list[str]:
 def format_offload(report: Mapping[str, Any]) -> str:
     """The offloaded step's own timing, where a configuration has one."""
     head = ["config", "step blocked ms", "unpack ms", "optimizer ms", "cast ms"]
-    rows = _header([*head, "forward waiting ms", "chunks"])
+    rows = _header([*head, "waiting for landings ms", "chunks"])
     found = False
     for name, c in report["configs"].items():
         t = c.get("offload_timing_s")
@@ -252,7 +252,8 @@ def format_report(report: Mapping[str, Any]) -> str:
         title = (
             "Offloaded step, rank 0, median over timed steps: how long step() blocked until every "
             "gradient was in host memory, each host stage's work summed over chunks, and how long "
-            "the caller then waited for updates to land ([Note: offload timing]):"
+            "the caller then waited for updates to land (the next forward and the next step's "
+            "start; NVMe reads and writes are not timed: [Note: offload timing]):"
         )
         out += ["", title, "", offload]
     profile = format_profile_table(report)
