@@ -14,7 +14,7 @@ the step over their protocols (``docs/architecture.md``):
 Beside it: what to adopt after ``initialize`` (``optim/adoption.py``; the engine rebuilds the
 components for it), the hooks around the forward (``forward_hooks.py``), and the narrow views
 it hands to checkpoints, ``full_parameters`` and the memory report (``views.py``). Over the
-~400-line budget (~470): the three view builders at the end read the engine's own components,
+~400-line budget (517): the three view builders at the end read the engine's own components,
 which is what keeps checkpoints and the report from reading the engine, and the offloaded
 step's wiring (streams, landings, removal after a failed update) is here; moving the view
 builders into ``views.py`` behind a narrow protocol is the next split.

@@ -19,7 +19,7 @@ import hf_models
 import pytest
 import torch
 from harness import CUDA_GLOO
-from offloadtest import differing, gpt_batch, offload_config, tiny_gpt
+from offloadtest import differing, gpt_batch, offload_config, relative, tiny_gpt
 from zerotest import make_pair, max_rel_error, rank_world, sgd_momentum, synced_step
 
 import zerodp
@@ -86,11 +86,7 @@ def _train(
 
 def _errors(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[tuple[float, str]]:
     """Each parameter's normwise relative difference, largest first."""
-    out = []
-    for n in want:
-        a, b = want[n].float(), got[n].float()
-        out.append((((a - b).norm() / a.norm()).item(), n))
-    return sorted(out, reverse=True)
+    return sorted(((relative(want[n], got[n]), n) for n in want), reverse=True)
 
 
 def _worst(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
