@@ -130,15 +130,16 @@ def test_mixed_precision_memory_is_16_psi_over_n(world, world_size):
 def test_traffic_is_three_times_the_units_and_memory_is_bounded(world, world_size):
     n = world_size
     psi = sum(17 * h + 8 for h in HIDDENS)
-    for depth, persist, keep in [(1, 0, 1), (2, 0, 2), (1, 8, 1), (1, 0, 0), (0, 0, 1)]:
+    cases = [(1, 0, 2), (2, 0, 3), (1, 8, 2), (1, 0, 0), (1, 0, 1), (0, 0, 2)]
+    for depth, persist, keep in cases:
         out = world(n).run(case_accounting, depth, persist, keep, timeout=TIMEOUT)
         for o in out:
             units, pers = o["units"], o["persistent"]
             # Per step: all-gather every unit in forward and again in backward, reduce-scatter
             # it once: 3x the (padded) units; persistent parameters: reduce-scatter + all-gather.
-            # The last min(keep, depth) units of the forward (the root owns nothing, the blocks
-            # run in order) stay gathered into the backward: 3 Psi - Psi_kept.
-            kept = sum(units[len(units) - min(keep, depth) :])
+            # The last min(keep, depth + 1) units of the forward (the root owns nothing, the
+            # blocks run in order) stay gathered into the backward: 3 Psi - Psi_kept.
+            kept = sum(units[len(units) - min(keep, depth + 1) :])
             assert o["elements"] == {
                 "all_gather": 2 * sum(units) + pers - kept,
                 "reduce_scatter": sum(units) + pers,
@@ -211,15 +212,16 @@ def case_gpt_traffic() -> dict:
 def test_gpt_default_units_traffic_and_bound(world):
     """Default policy on the GPT: the root unit (embeddings, tied head, final norm) plus one
     unit per block. The root stays gathered from forward to the end of backward (the tied head
-    reads the embedding in the root's forward), so its backward all-gather is skipped, as is
-    the last block's (kept into the backward: ``keep_last_units``), and the bound on gathered
-    bytes adds the root to (depth + 1) x the largest unit."""
+    reads the embedding in the root's forward), so its backward all-gather is skipped, as are
+    the last two blocks' (kept into the backward: ``keep_last_units``, at most depth + 1: here
+    both blocks), and the bound on gathered bytes adds the root to (depth + 1) x the largest
+    unit."""
     out = world(2).run(case_gpt_traffic, timeout=TIMEOUT)
     for o in out:
         root, *blocks = o["units"]
         assert o["labels"] == ["<root GPT>", "blocks.0", "blocks.1"]
         assert o["elements"] == {
-            "all_gather": root + 2 * sum(blocks) - blocks[-1],
+            "all_gather": root + 2 * sum(blocks) - sum(blocks[-2:]),
             "reduce_scatter": root + sum(blocks),
         }
         r = o["report"]
@@ -283,8 +285,8 @@ def test_gpt_attached_units_and_reduce_chunks(world, tied):
     """Attached units (the embedding, the untied head) and bucket-sized reduce-scatter chunks:
     the same training as an unsharded model. The head (read in the root's forward) and wte
     (read in the loss) are gathered on demand and held to the end of backward, like the root:
-    one all-gather each in backward less; so is the last block, kept into the backward (the
-    head is read on demand, not a unit forward the record sees). The reduce-scatters move
+    one all-gather each in backward less; so are the last two blocks, kept into the backward
+    (the head is read on demand, not a unit forward the record sees). The reduce-scatters move
     exactly the units, in
     runs of at most one bucket, so the staging pool is 2 buckets, not 2 x the largest unit."""
     out = world(2).run(_gpt_attached, tied, 64, 4096, 2, timeout=TIMEOUT)
@@ -296,7 +298,7 @@ def test_gpt_attached_units_and_reduce_chunks(world, tied):
         root, wte, *rest = o["units"]
         blocks, head = rest[:2], sum(rest[2:])
         assert o["elements"] == {
-            "all_gather": root + 2 * wte + head + 2 * sum(blocks) - blocks[-1],
+            "all_gather": root + 2 * wte + head + 2 * sum(blocks) - sum(blocks[-2:]),
             "reduce_scatter": sum(o["units"]),
         }
         assert o["calls"]["reduce_scatter"] == o["runs"] > len(o["units"])  # units > a bucket
@@ -365,13 +367,15 @@ def test_prefetch_event_order(world):
     for k in range(2):
         assert first[("release", b[k])] < first[("gather", b[k + 2])], ev
     # Backward: the same in reverse; each block is gathered exactly once per pass, but the last
-    # one, kept gathered from its forward into its backward (keep_last_units).
-    for k in range(3, 0, -1):
+    # two (depth + 1), kept gathered from their forward into their backward (keep_last_units).
+    for k in range(2, 0, -1):
         assert at[("backward", b[k])] < at[("gather", b[k - 1])] < at[("reduce", b[k])], ev
     for name in b:
-        gathers = 1 if name == b[3] else 2
+        gathers = 1 if name in b[2:] else 2
         assert ev.count(("gather", name)) == gathers and ev.count(("reduce", name)) == 1, ev
-    assert at[("backward", b[3])] < at[("release", b[3])], ev  # released after its backward
+    for k in (2, 3):  # released once, after its backward
+        assert ev.count(("release", b[k])) == 1, ev
+        assert at[("backward", b[k])] < at[("release", b[k])], ev
     # The exact schedule of the forward pass, for the record.
     forward = ev[: first[("forward_end", "<root Stack>")] + 1]
     assert forward == [
@@ -391,7 +395,6 @@ def test_prefetch_event_order(world):
         ("forward", b[2]),
         ("gather", b[3]),
         ("forward_end", b[2]),
-        ("release", b[2]),
         ("ready", b[3]),
         ("forward", b[3]),
         ("forward_end", b[3]),
@@ -495,25 +498,27 @@ def case_order_check_exchanges(order: bool | str) -> list[tuple[int, int]]:
 
 def test_order_check_agrees_on_each_backward_hook_once(world):
     """4 block units, depth 1. Forward: one exchange per unit (its gather, then each prefetch).
-    Backward: the last block's gather with the prefetch of the one before it; then at each
-    block's hook the reduce-scatter of the block after it with the next prefetch; the last
-    reduce-scatters at the end of backward; then the step: 4 + 5 + 1 = 10 (one exchange per
-    collective would be 4 + 8 + 1 = 13). ``check_unit_order="exchange"``: every one blocks.
-    The first two backwards also agree once on the gathers they skip ([Note: backward without
-    parameters]: none here, every block saves a weight), so no later backward does."""
+    Backward of the first step (nothing kept yet): the last block's gather with the prefetch of
+    the one before it; then at each block's hook the reduce-scatter of the block after it with
+    the next prefetch; the last reduce-scatters at the end of backward; then the step:
+    4 + 5 + 1 = 10 (one exchange per collective would be 4 + 8 + 1 = 13). From the second step
+    the last two blocks stay gathered into the backward ([Note: keeping the last units]): the
+    last block's hook issues nothing, 4 + 4 + 1 = 9. ``check_unit_order="exchange"``: every one
+    blocks. The first two backwards also agree once on the gathers they skip ([Note: backward
+    without parameters]: none here, every block saves a weight), so no later backward does."""
     for per_step in world(2).run(case_order_check_exchanges, "exchange", timeout=TIMEOUT):
-        assert per_step == [(11, 0)] * 2 + [(10, 0)] * 2, per_step
+        assert per_step == [(11, 0), (10, 0), (9, 0), (9, 0)], per_step
 
 
 def test_order_check_replays_a_step_that_ran_alike(world):
     """[Note: verified orders] The first step exchanges blocking (11, as above). The second
-    parts from it, on every rank alike, where the last block stays gathered into the backward
+    parts from it, on every rank alike, where the last blocks stay gathered into the backward
     (the first step keeps none): its first 4 exchanges (the forward) are committed, the rest
-    block (7 with the agreement on skipped gathers). The third parts from the second where its
-    backward agrees no more: 6 block. From the fourth on only the step blocks; the other 9
+    block (6 with the agreement on skipped gathers). The third parts from the second where its
+    backward agrees no more: 5 block. From the fourth on only the step blocks; the other 8
     exchanges are committed."""
     for per_step in world(2).run(case_order_check_exchanges, True, timeout=TIMEOUT):
-        assert per_step == [(11, 0), (7, 4), (6, 4), (1, 9)], per_step
+        assert per_step == [(11, 0), (6, 4), (5, 4), (1, 8)], per_step
 
 
 def case_backward_starts_elsewhere() -> float:
@@ -544,3 +549,56 @@ def case_backward_starts_elsewhere() -> float:
 
 def test_backward_starting_at_different_units(world):
     assert max(world(2).run(case_backward_starts_elsewhere, timeout=TIMEOUT)) <= 1e-6
+
+
+def case_kept_units_without_backward() -> dict:
+    """Two ordinary steps (the last two blocks are kept into the backward from the second),
+    then a step whose loss reads block 1's output on every rank: blocks 2 and 3 were kept, and
+    their backward never comes."""
+    rank, world = rank_world()
+    pair = make_pair(Stack, adamw_two_groups, _cfg())
+    _train(pair, range(2), world, rank)
+    mids: list[torch.Tensor] = []
+    for m in (pair.model, pair.ref):
+        m.blocks[1].register_forward_hook(lambda mod, a, out: mids.append(out))
+    sharded = pair.opt.engine.params
+    sharded.gatherer.reset_peak()
+    sharded.trace.events = []
+    data = batches(2, world, 3, [(8,), (8,)])
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        m(data[r][0])
+        return F.mse_loss(mids[-1], data[r][1])
+
+    reference_step(pair, loss, world)
+    loss(pair.model, rank).backward()
+    events, sharded.trace.events = sharded.trace.events, None
+    pair.opt.step()
+    pair.opt.zero_grad()
+    report = pair.opt.memory_report()
+    return {
+        "worst": assert_close(pair.model, pair.ref, what="after the short backward"),
+        "events": events,
+        "peak": report.gathered_peak,
+        "bound": report.gathered_bound,
+        "units": [u.full_nbytes for u in sharded.units],
+    }
+
+
+def test_kept_units_whose_backward_never_comes_are_let_go(world):
+    """[Note: keeping the last units]: the backward of block 1 expects block 0 next, so it lets
+    go of the kept blocks 2 and 3 before it gathers block 1. Held on, blocks 1-3 (or all four,
+    with block 0's prefetch) would exceed the bound of 2 x the largest unit."""
+    for o in world(2).run(case_kept_units_without_backward, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        ev = o["events"]
+        end = ev.index(("forward_end", "<root Stack>"))
+        forward, backward = ev[:end], ev[end:]
+        assert backward.index(("gather", "blocks.1")) < backward.index(("backward", "blocks.1"))
+        for k in (2, 3):
+            assert ("release", f"blocks.{k}") not in forward, ev  # kept from its forward
+            # let go of before block 1 is gathered for its backward
+            released = backward.index(("release", f"blocks.{k}"))
+            assert released < backward.index(("gather", "blocks.1")), ev
+        assert sum(o["units"]) > o["bound"] == 2 * max(o["units"])
+        assert o["peak"] <= o["bound"], o

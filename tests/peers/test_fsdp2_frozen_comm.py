@@ -249,9 +249,9 @@ def test_communication_count(world):
         # Forward gathers the root and 3 blocks; backward re-gathers the blocks (the root
         # stays gathered to the end of backward), but the first (its input needs no gradient,
         # so its backward reads no parameter: [Note: backward without parameters] in
-        # params/saved.py) and the last one when prefetching allows keeping it
-        # (Stage3.keep_last_units, at most depth); one reduce-scatter per unit.
-        kept = 1 if depth else 0
+        # params/saved.py) and the last ones the forward ran, kept into the backward
+        # (Stage3.keep_last_units: 2, at most depth + 1); one reduce-scatter per unit.
+        kept = min(2, depth + 1)
         assert out[(3, depth)] == (
             {"all_gather": psi + (2 - kept) * unit, "reduce_scatter": psi},
             {"all_gather": 6 - kept, "reduce_scatter": 4},

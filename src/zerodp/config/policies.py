@@ -142,11 +142,12 @@ class Stage3(Policy):
     Gathered parameters are bounded by (prefetch_depth + 1) x the largest unit, plus the units
     enclosing the running one. 0: gather on demand only."""
 
-    keep_last_units: int = 1
+    keep_last_units: int = 2
     """How many of the last units of the forward stay gathered into the backward, which starts
     with them (as FSDP2 keeps its root): their backward all-gather is skipped, 3Ψ - Ψ_kept per
-    step. At most ``prefetch_depth`` of them are kept, so the bound on gathered parameters does
-    not change ([Note: keeping the last units] in params/hooks.py); 0 re-gathers them."""
+    step. At most ``prefetch_depth + 1`` of them are kept (the running unit and its prefetches
+    at the end of the forward), so the bound on gathered parameters does not change ([Note:
+    keeping the last units] in params/hooks.py); 0 re-gathers them."""
 
     skip_backward_gathers: bool = True
     """Do not all-gather for its backward a unit whose backward reads none of its parameters

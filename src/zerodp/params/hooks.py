@@ -54,13 +54,18 @@ on every rank whose loss depends on what it read in the same way. The order chec
 
 [Note: keeping the last units]
 The backward starts with the units the forward ended with. With ``Stage3.keep_last_units`` k
-(at most ``prefetch_depth``), the last k units of the recorded forward order (but the root, and
-none before a unit that ran twice) are not released after their forward (``Unit.carried``): the
-backward finds them gathered and issues no all-gather for them, 3Ψ - Ψ_kept per step. They are
-released after their backward like any unit, or at the end of the backward. Keeping k <= depth
-units holds no more than the bound already allows: at the start of the backward the running
-unit and its ``depth`` prefetches, of which the kept ones are a part. Every rank picks them from
-its own recorded order, so ranks running the same graph keep the same units; where they differ
+(at most ``prefetch_depth + 1``), the last k units of the recorded forward order (but the root,
+and none before a unit that ran twice) are not released after their forward (``Unit.carried``):
+the backward finds them gathered and issues no all-gather for them, 3Ψ - Ψ_kept per step. They
+are released after their backward like any unit, or at the end of the backward. Keeping
+k <= depth + 1 units holds no more than the bound (the running unit and ``depth`` prefetches):
+in the forward, while the j-th of the last k units runs, the j - 1 kept before it, itself and
+its prefetches (the k - j units after it, at most) are k units; in the backward the kept units
+are prefetches made early: a unit's backward lets go of every kept unit that is neither among
+the ``depth`` it expects next nor inside it (the root's backward encloses them all), so a
+backward that does not start with them (another order, a kept unit whose backward never
+comes) holds no more than its prefetches would. Every rank picks them from its own recorded
+order, so ranks running the same graph keep the same units; where they differ
 (mixture-of-experts routing) the order check merges the backward gathers as any others. The
 first step, with nothing recorded, keeps none.
 
@@ -288,6 +293,8 @@ class Schedule:
         plan = self._deferred_plan() + (Gatherer.start_plan(unit) if gather else [])
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
         self._flush_deferred(self._approve(plan))
+        if unit.segments and gather:
+            self._let_go_of_carried(unit, wanted)
         if gather:
             self._use(unit)
         self.trace("backward" if gather else "backward_skip", unit)
@@ -466,6 +473,16 @@ class Schedule:
                 self.gatherer.start(unit)
                 unit.prefetched = True
                 self._prefetched.append(unit)
+
+    def _let_go_of_carried(self, unit: Unit, wanted: list[Unit]) -> None:
+        """Release the kept units ``unit``'s backward neither expects next nor encloses
+        ([Note: keeping the last units])."""
+        for other in self.units:
+            if not other.carried or other.in_backward or other in wanted:
+                continue
+            if unit.index not in other.ancestors:
+                other.carried = False
+                self.maybe_release(other)
 
     def _drop_prefetches(self, keep: list[Unit]) -> None:
         for unit in [u for u in self._prefetched if u not in keep]:

@@ -71,7 +71,7 @@ class ShardedParams:
         self.comm = comm
         self.plan = plan
         self.depth = policy.prefetch_depth
-        self.keep = min(policy.keep_last_units, policy.prefetch_depth)  # within the bound
+        self.keep = min(policy.keep_last_units, policy.prefetch_depth + 1)  # within the bound
         self.skip_gathers = policy.skip_backward_gathers
         self.uplan = plan_units(
             model,
