@@ -147,7 +147,7 @@ class Stage3(Policy):
     with them (as FSDP2 keeps its root): their backward all-gather is skipped, 3Ψ - Ψ_kept per
     step. At most ``prefetch_depth + 1`` of them are kept (the running unit and its prefetches
     at the end of the forward), so the bound on gathered parameters does not change ([Note:
-    keeping the last units] in params/hooks.py); 0 re-gathers them."""
+    keeping the last units] in params/holding.py); 0 re-gathers them."""
 
     skip_backward_gathers: bool = True
     """Do not all-gather for its backward a unit whose backward reads none of its parameters

@@ -1,7 +1,8 @@
 """The stage-3 schedule, run by module and autograd hooks.
 
-Over the ~400-line budget: the extras of merged plans live in extras.py; the split of the rest
-into forward and backward is still to come.
+Over the ~400-line budget: the extras of merged plans live in extras.py and the holds on units
+that are not running (prefetches, kept last units, borrowed attached units) in holding.py; the
+split of the rest into forward and backward is still to come.
 
 [Note: recompute]
 A checkpointed module's backward first runs its forward again ([Note: activation checkpointing]
@@ -52,23 +53,6 @@ same order; "grad ready" fires for the parameters the graph gives a gradient, wh
 on every rank whose loss depends on what it read in the same way. The order checks
 (``order.py``) turn ranks whose graphs differ into a clear error.
 
-[Note: keeping the last units]
-The backward starts with the units the forward ended with. With ``Stage3.keep_last_units`` k
-(at most ``prefetch_depth + 1``), the last k units of the recorded forward order (but the root,
-and none before a unit that ran twice) are not released after their forward (``Unit.carried``):
-the backward finds them gathered and issues no all-gather for them, 3Ψ - Ψ_kept per step. They
-are released after their backward like any unit, or at the end of the backward. Keeping
-k <= depth + 1 units holds no more than the bound (the running unit and ``depth`` prefetches):
-in the forward, while the j-th of the last k units runs, the j - 1 kept before it, itself and
-its prefetches (the k - j units after it, at most) are k units; in the backward the kept units
-are prefetches made early: a unit's backward lets go of every kept unit that is neither among
-the ``depth`` it expects next nor inside it (the root's backward encloses them all), so a
-backward that does not start with them (another order, a kept unit whose backward never
-comes) holds no more than its prefetches would. Every rank picks them from its own recorded
-order, so ranks running the same graph keep the same units; where they differ
-(mixture-of-experts routing) the order check merges the backward gathers as any others. The
-first step, with nothing recorded, keeps none.
-
 A unit returning a *view* that the caller then modifies in place loses its pre-backward hook
 (as with FSDP2): return fresh tensors from unit modules.
 
@@ -99,6 +83,7 @@ from torch import nn
 
 from zerodp.activations.scope import recomputing
 from zerodp.params.extras import ScheduleExtras
+from zerodp.params.holding import Holding
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
@@ -141,12 +126,10 @@ class Schedule:
         skip_gathers: bool = True,
     ) -> None:
         self.units = units
-        self.keep = keep  # [Note: keeping the last units]
         # [Note: backward without parameters] in saved.py: measured and agreed until
         # QUIET_AGREEMENTS agreements in a row find no unit any rank could skip.
         self._measure = skip_gathers
         self._quiet = 0
-        self._carry: set[int] = set()
         self.root = units[0]
         self.gatherer = gatherer
         self.grads = grads
@@ -157,7 +140,7 @@ class Schedule:
         self.bwd = PassOrder(depth)
         self.persistent_seg_ids = persistent_seg_ids
         self.trace = trace
-        self._prefetched: list[Unit] = []
+        self.holding = Holding(units, gatherer, keep)  # holds on units not running
         self._deferred: list[Unit] = []  # backward done, reduce-scatter not issued yet
         self._backward_open = False
         self._handles: list[Any] = []
@@ -198,23 +181,19 @@ class Schedule:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if recomputing():  # [Note: recompute]
             unit.read_in_backward = True  # [Note: backward without parameters] in saved.py
-            self._use(unit)
+            self.holding.use(unit)
             unit.active += 1
             unit.recomputed = True
             self.trace("recompute", unit)
             return args, kwargs
         if unit is self.root and unit.active == 0:
             self.fwd.begin()
-            self._carry = self.fwd.tail(self.keep, skip=unit.index)
-            for other in self.units:  # kept by a forward no backward followed: let go
-                if other.carried and not other.in_backward:
-                    other.carried = False
-                    self.maybe_release(other)
+            self.holding.choose_carried(self.fwd, unit)
         if torch.is_grad_enabled():
             args, kwargs = self._attach_post_backward(unit, args, kwargs)
         if unit is self.root and unit.state is UnitState.RELEASED:
             self.check.mark(Op.TRAIN if torch.is_grad_enabled() else Op.INFER)
-        self._use(unit)
+        self.holding.use(unit)
         measure = self._measure and not self._backward_open  # not a reentrant recompute
         if measure and unit.segments and not unit.active and torch.is_grad_enabled():
             begin_forward(unit)
@@ -222,7 +201,7 @@ class Schedule:
         unit.touched = True
         self.trace("forward", unit)
         if unit.segments:
-            self._prefetch(self.fwd.visit(unit.index))
+            self.holding.prefetch([self.units[i] for i in self.fwd.visit(unit.index)])
         return args, kwargs
 
     def _attach_post_backward(
@@ -249,18 +228,19 @@ class Schedule:
             unit.hooked = unit.hooked or bool(outs)
             # Kept whatever this rank measured: a decision every rank takes alike (the ranks
             # agree on the skips only when the backward starts).
-            unit.carried = unit.carried or bool(outs and unit.index in self._carry)
+            if outs:
+                self.holding.carry(unit)
         if unit is self.root and unit.active == 0:
             # A forward that exchanged nothing (every unit it used was held) has nothing to
             # tell apart: its marker must not land on some later, unrelated exchange.
             self.check.mark(Op.NOTHING)
             unit.kept = unit.kept or bool(outs and torch.is_grad_enabled())
             self.fwd.end()
-            self._drop_prefetches([])
+            self.holding.drop_prefetches([])
             if not unit.kept:  # no backward follows: attached units read on demand go too
-                self._return_borrowed()
+                self.holding.return_borrowed()
         self.trace("forward_end", unit)
-        self.maybe_release(unit)
+        self.holding.release_unless_held(unit)
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -268,16 +248,16 @@ class Schedule:
         root = self.root
         if root.state is UnitState.RELEASED:
             self.check.mark(Op.GENERATE)
-        self._use(root)
+        self.holding.use(root)
         root.scoped += 1
         try:
             yield
         finally:
             root.scoped -= 1
             if not root.scoped:
-                self._drop_prefetches([])
-                self._return_borrowed()
-                self.maybe_release(root)
+                self.holding.drop_prefetches([])
+                self.holding.return_borrowed()
+                self.holding.release_unless_held(root)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -294,12 +274,12 @@ class Schedule:
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
         self._flush_deferred(self._approve(plan))
         if unit.segments and gather:
-            self._let_go_of_carried(unit, wanted)
+            self.holding.let_go_of_carried(unit, wanted)
         if gather:
-            self._use(unit)
+            self.holding.use(unit)
         self.trace("backward" if gather else "backward_skip", unit)
         if unit.segments and gather:
-            self._prefetch_units(wanted)
+            self.holding.prefetch(wanted)
 
     def post_backward(self, unit: Unit) -> None:
         self._open_backward()
@@ -315,7 +295,7 @@ class Schedule:
         unit.carried = False
         unit.recomputed = False
         self.trace("backward_end", unit)
-        self.maybe_release(unit)
+        self.holding.release_unless_held(unit)
 
     def _grad_ready(self, unit: Unit | None, name: str, param: torch.Tensor) -> None:
         self._open_backward()
@@ -350,7 +330,7 @@ class Schedule:
             unit.in_backward = False
             unit.carried = False
             unit.recomputed = False
-            self.maybe_release(unit)
+            self.holding.release_unless_held(unit)
 
     def _open_backward(self) -> None:
         if self._backward_open:
@@ -435,7 +415,7 @@ class Schedule:
         if unit.in_backward and not unit.gathered_for_backward:  # [Note: backward without ...]
             unit.read_in_backward = True
             self.bwd.visit(unit.index)  # in the order the next backward predicts
-            self._use(unit)  # held: in its backward
+            self.holding.use(unit)  # held: in its backward
             self.trace("read", unit)
             return True
         if not unit.spec.attached:
@@ -445,59 +425,14 @@ class Schedule:
             return False
         unit.borrowed = True
         unit.touched = True
-        self._use(unit)
+        self.holding.use(unit)
         self.trace("read", unit)
         return True
-
-    def _return_borrowed(self) -> None:
-        for unit in self.units:
-            if unit.borrowed:
-                unit.borrowed = False
-                self.maybe_release(unit)
-
-    def _use(self, unit: Unit) -> None:
-        if unit.prefetched:
-            unit.prefetched = False
-            self._prefetched.remove(unit)
-        self.gatherer.unshard(unit)
-
-    def _prefetch(self, upcoming: list[int]) -> None:
-        self._prefetch_units([self.units[i] for i in upcoming])
-
-    def _prefetch_units(self, wanted: list[Unit]) -> None:
-        """Release prefetches that are no longer expected (the bound on gathered memory counts
-        ``depth`` of them), then start the gathers of ``wanted``."""
-        self._drop_prefetches(wanted)
-        for unit in wanted:
-            if unit.state is UnitState.RELEASED:
-                self.gatherer.start(unit)
-                unit.prefetched = True
-                self._prefetched.append(unit)
-
-    def _let_go_of_carried(self, unit: Unit, wanted: list[Unit]) -> None:
-        """Release the kept units ``unit``'s backward neither expects next nor encloses
-        ([Note: keeping the last units])."""
-        for other in self.units:
-            if not other.carried or other.in_backward or other in wanted:
-                continue
-            if unit.index not in other.ancestors:
-                other.carried = False
-                self.maybe_release(other)
-
-    def _drop_prefetches(self, keep: list[Unit]) -> None:
-        for unit in [u for u in self._prefetched if u not in keep]:
-            unit.prefetched = False
-            self._prefetched.remove(unit)
-            self.maybe_release(unit)
-
-    def maybe_release(self, unit: Unit) -> None:
-        if not unit.held:
-            self.gatherer.release(unit)
 
     def reset(self) -> None:
         """Forget per-step holds (end of backward, or the step / a checkpoint load with stale
         gathered copies) and release every unit nobody holds."""
-        self._prefetched.clear()
+        self.holding.forget_prefetches()
         self._deferred.clear()
         for unit in self.units:
             unit.reduced = False
@@ -513,4 +448,4 @@ class Schedule:
             unit.prefetched = False
             unit.refs, unit.backward_reads = None, None
             unit.touched = False
-            self.maybe_release(unit)
+            self.holding.release_unless_held(unit)

@@ -48,7 +48,7 @@ class Unit:
     ancestors: tuple[int, ...]  # enclosing units, innermost first
     state: UnitState = UnitState.RELEASED
     handles: list[Handle] = field(default_factory=list)
-    # Who holds the unit gathered; it is released when nobody does (Schedule.maybe_release).
+    # Who holds the unit gathered; it is released when nobody does (Holding.release_unless_held).
     active: int = 0  # forward calls in progress
     in_backward: bool = False  # its backward started and its gradients are not reduced yet
     prefetched: bool = False  # gathered ahead of its use, not used yet
