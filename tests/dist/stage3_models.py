@@ -273,3 +273,47 @@ class Parts(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.block(self.inner(self.scale(self.shift(self.emb(ids)))))
         return self.head(h)
+
+
+class PackedScale(Scale):
+    """``Scale`` whose forward pushes ``save_on_cpu`` itself: on the CPU its pack hook returns
+    the parameter object (``tensor.cpu()`` of a CPU tensor is the tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return x * self.weight
+
+
+class Packed(nn.Module):
+    """An embedding, then ``PackedScale``; the head is in the root."""
+
+    UNITS = ("Embedding", "PackedScale")
+
+    def __init__(self, vocab: int = 13, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.scale = PackedScale(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scale(self.emb(ids)))
+
+
+class HookedScale(Scale):
+    """``Scale`` whose forward pushes saved-tensor hooks that keep the parameter object itself
+    and hand it back unchanged: no reference count shows it and no torch function reads it
+    when the backward unpacks it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return x * self.weight
+
+
+class Hooked(Packed):
+    """``Packed`` with ``HookedScale``."""
+
+    UNITS = ("Embedding", "HookedScale")
+
+    def __init__(self, vocab: int = 13, d: int = 8) -> None:
+        super().__init__(vocab, d)
+        self.scale = HookedScale(d)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import build, build_checkpointed, global_batches, hf_loss
-from stage3_models import Parts, Switch
+from stage3_models import Hooked, Packed, Parts, Switch
 from torch import nn
 from zerotest import assert_close, make_pair, rank_world, reference_step, sgd_momentum
 
@@ -142,6 +142,54 @@ def test_saved_tensor_hooks_keep_every_backward_gather(world):
         assert gathers == [every + u["block"]] + [every - u["inner"]] * (STEPS - 1)
         for trace in o["traces"]:
             assert not [e for e in trace if e[0] == "backward_skip"], trace
+
+
+def test_saved_tensor_hooks_inside_a_unit_are_caught_when_the_backward_reads(world):
+    """``save_on_cpu`` pushed inside a unit's forward packs the parameter object itself (CPU):
+    no reference count shows it, so the first backward skips the unit's gather, but the
+    backward reads the parameter through that object, which gathers the unit on demand (once,
+    blocking); from then on the unit counts as read. Training matches the unsharded model. (Its
+    later backward gathers nothing: the unit is the last of the forward, kept into it.)"""
+    for o in world(2).run(_train, Packed, Packed.UNITS, _parts_loss, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
+        u = o["units"]
+        every = sum(u.values())
+        gathers = [e["all_gather"] for e in o["elements"]]
+        assert gathers == [every + u["scale"]] + [every] * (STEPS - 1)
+        first, *later = ([e for e in t if e[1] == "scale"] for t in o["traces"])
+        skip = first.index(("backward_skip", "scale"))
+        assert first[skip + 1 :][:3] == [("gather", "scale"), ("ready", "scale"), ("read", "scale")]
+        for trace in later:
+            assert ("backward", "scale") in trace and ("read", "scale") not in trace, trace
+
+
+def _train_or_error(*args: object, **stage3: object) -> dict | str:
+    try:
+        return _train(*args, **stage3)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        return str(exc)
+
+
+_NONFINITE = (
+    "zerodp: step 1: non-finite gradients on at least one rank; no parameter was updated "
+    "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
+    "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
+    "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
+    "rank"
+)
+
+
+def test_a_backward_read_no_reference_shows_is_refused_as_nonfinite(world):
+    """Saved-tensor hooks inside a unit that hand the parameter object back untouched: nothing
+    shows the read, the backward computes on the released placeholder and the gradients are
+    NaN. Not silent: the step refuses them (``nonfinite='raise'``), with the message of any NaN
+    gradient (nothing tells this read from a diverged run). With
+    ``skip_backward_gathers=False`` training matches the unsharded model."""
+    run = (Hooked, Hooked.UNITS, _parts_loss)
+    for message in world(2).run(_train_or_error, *run, timeout=TIMEOUT):
+        assert message == _NONFINITE
+    for o in world(2).run(_train, *run, skip_backward_gathers=False, timeout=TIMEOUT):
+        assert o["worst"] <= 1e-6
 
 
 def _gpt() -> nn.Module:

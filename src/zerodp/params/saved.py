@@ -40,11 +40,14 @@ gather on demand above, where the data decides) is a collective of those ranks a
 check merges it, or raises the divergence error on every rank once steps are replayed.
 
 Not seen: a reference no count shows, i.e. a saved-tensor hook pushed *inside* the unit's
-forward that keeps the parameter's Python object (``save_on_cpu`` on CPU tensors returns the
-tensor itself), or a custom autograd function that keeps ``ctx.weight = weight`` as a Python
-attribute and reads it through a raw pointer in its backward (a Triton kernel): such a backward
-reads the released placeholder (NaN). ``Stage3.skip_backward_gathers=False`` gathers every
-unit for its backward, as before.
+forward that keeps the parameter's Python object. If its unpack reads the parameter through a
+torch function (``save_on_cpu`` on CPU tensors: ``.to()``), that read gathers the unit on
+demand as above. If nothing does (hooks that hand the object back untouched, a custom autograd
+function that keeps ``ctx.weight = weight`` and reads it through a raw pointer, a Triton
+kernel), the backward reads the released placeholder (NaN), and the step's non-finite check
+raises (or skips) as for any NaN gradient; nothing tells such a read from a diverged run, so
+the message cannot name it. ``Stage3.skip_backward_gathers=False`` gathers every unit for its
+backward, as before.
 """
 
 from __future__ import annotations
