@@ -6,12 +6,13 @@ from zerodp.comm.diagnosis import STEP_PHASES
 from zerodp.comm.gloo_cpu import receives_point_to_point
 from zerodp.comm.groups import DeviceMesh, GroupLike, dp_tp_mesh
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
-from zerodp.comm.process_group import destroy, init_from_env
+from zerodp.comm.process_group import GLOO_WITH_CUDA, destroy, init_from_env
 from zerodp.comm.watchdog import BETWEEN_STEPS, CollectiveError
 
 __all__ = [
     "BETWEEN_STEPS",
     "CONTROL",
+    "GLOO_WITH_CUDA",
     "MODEL",
     "STEP_PHASES",
     "CollectiveError",

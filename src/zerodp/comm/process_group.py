@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 _EXIT_HOOK: list[bool] = []
 
+GLOO_WITH_CUDA = "cpu:gloo,cuda:gloo"
+"""gloo for CPU and CUDA tensors alike: several ranks may share one GPU (NCCL refuses that),
+for checks rather than speed."""
+
 
 def collect_cycles_at_exit() -> None:
     """A model and its engine reference each other; left to the interpreter's final teardown,

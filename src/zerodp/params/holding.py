@@ -35,6 +35,9 @@ class Holding:
         self.gatherer = gatherer
         self.keep = keep  # [Note: keeping the last units]
         self._carry: set[int] = set()  # indices of the units this forward keeps
+        # The units kept so far (a superset of those still ``carried``: the schedule clears the
+        # flag after a unit's backward), so that no hook walks every unit to find them.
+        self._kept: list[Unit] = []
         self._prefetched: list[Unit] = []
 
     # -- the last units of the forward ([Note: keeping the last units]) -----------------------
@@ -43,22 +46,31 @@ class Holding:
         """A forward of the root starts: keep the last units of the ``recorded`` forward order;
         let go of those a forward kept that no backward followed."""
         self._carry = recorded.tail(self.keep, skip=root.index)
-        for other in self.units:
+        kept, self._kept = self._kept, []
+        for other in kept:
             if other.carried and not other.in_backward:
                 other.carried = False
                 self.release_unless_held(other)
+            elif other.carried:
+                self._kept.append(other)
 
     def carry(self, unit: Unit) -> None:
         """``unit``'s forward returned outputs the backward will reach: keep it if chosen."""
-        unit.carried = unit.carried or unit.index in self._carry
+        if not unit.carried and unit.index in self._carry:
+            unit.carried = True
+            if unit not in self._kept:  # a stale entry (flag cleared since) stands for it
+                self._kept.append(unit)
 
     def let_go_of_carried(self, unit: Unit, wanted: list[Unit]) -> None:
         """Release the kept units ``unit``'s backward neither expects next (``wanted``) nor
         encloses."""
-        for other in self.units:
-            if not other.carried or other.in_backward or other in wanted:
+        kept, self._kept = self._kept, []
+        for other in kept:
+            if not other.carried:
                 continue
-            if unit.index not in other.ancestors:
+            if other.in_backward or other in wanted or unit.index in other.ancestors:
+                self._kept.append(other)
+            else:
                 other.carried = False
                 self.release_unless_held(other)
 
@@ -87,9 +99,10 @@ class Holding:
             self._prefetched.remove(unit)
             self.release_unless_held(unit)
 
-    def forget_prefetches(self) -> None:
+    def forget(self) -> None:
         """A reset: every unit's holds are cleared by the schedule, which then releases them."""
         self._prefetched.clear()
+        self._kept.clear()
 
     # -- borrowed attached units and releasing -----------------------------------------------
 

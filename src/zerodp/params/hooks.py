@@ -432,7 +432,7 @@ class Schedule:
     def reset(self) -> None:
         """Forget per-step holds (end of backward, or the step / a checkpoint load with stale
         gathered copies) and release every unit nobody holds."""
-        self.holding.forget_prefetches()
+        self.holding.forget()
         self._deferred.clear()
         for unit in self.units:
             unit.reduced = False

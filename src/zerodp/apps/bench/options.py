@@ -13,6 +13,7 @@ from typing import Any
 
 from zerodp.apps.bench.systems import BACKENDS, KNOWN, PRECISIONS, parse_configs
 from zerodp.apps.models.gpt import get_config
+from zerodp.comm import GLOO_WITH_CUDA
 
 MIB = 2**20
 
@@ -69,7 +70,7 @@ class BenchOptions:
         """What ``init_process_group`` gets (None: its default for the device)."""
         if self.backend == "auto":
             return None
-        return "cpu:gloo,cuda:gloo" if cuda else "gloo"
+        return GLOO_WITH_CUDA if cuda else "gloo"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
