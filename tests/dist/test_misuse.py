@@ -27,6 +27,7 @@ from hf_models import global_batches, hf_loss
 from torch import nn
 from zerotest import (
     MLP,
+    NONFINITE_RAISE,
     Branchy,
     Pair,
     adamw_two_groups,
@@ -149,13 +150,6 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
 # -- 1. non-finite loss or gradients ------------------------------------------------------------
 
 BAD = 2  # the step at which rank 1's loss is infinite
-RAISE_MSG = (
-    "zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
-    "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
-    "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
-    "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
-    "rank"
-)
 SKIP_MSG = "zerodp: step {step} skipped ({reason} on at least one rank); {n} skipped so far"
 
 
@@ -275,7 +269,7 @@ def case_nonfinite_raise(stage: int, model_name: str) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_nonfinite_raises_by_default(world, stage, model_name):
     assert zerodp.ZeroConfig().precision.nonfinite == "raise"
-    want = RAISE_MSG.format(step=2, what="gradients")
+    want = NONFINITE_RAISE.format(step=2, what="gradients")
     for out in world(2).run(case_nonfinite_raise, stage, model_name, timeout=TIMEOUT):
         # The raising call is not a step: the next step is step 2 again.
         assert out == {"errors": [want, want], "steps": 2, "skipped": 0}, out
@@ -320,7 +314,7 @@ def _init(cfg: zerodp.ZeroConfig) -> tuple[nn.Module, zerodp.ZeroOptimizer]:
 def test_nonfinite_bf16_and_ignore(world, stage):
     for out in world(2).run(case_nonfinite_bf16_and_ignore, stage, timeout=TIMEOUT):
         assert out == {
-            "bf16 raise": (RAISE_MSG.format(step=1, what="loss and gradients"), True, True),
+            "bf16 raise": (NONFINITE_RAISE.format(step=1, what="loss and gradients"), True, True),
             "bf16 skip": (True, "non-finite loss and gradients", 1, True, True),
             "bf16 ignore": (False, None, 0, False, False),
             "fp32 ignore": (False, None, 0, False, False),

@@ -21,6 +21,13 @@ from torch import nn
 import zerodp
 
 TOL = 1e-6  # relative error bound for fp32 parity (issue 2)
+NONFINITE_RAISE = (  # ZeroConfig.precision.nonfinite='raise': what every rank raises
+    "zerodp: step {step}: non-finite {what} on at least one rank; no parameter was updated "
+    "(ZeroConfig.precision.nonfinite='raise'). The run diverged or a batch is bad: lower the "
+    "learning rate or clip gradients (opt.clip_grad_norm_), check the data and the loss, or "
+    "pass ZeroConfig(precision=Precision(..., nonfinite='skip')) to skip such steps on every "
+    "rank"
+)
 
 
 class MLP(nn.Module):
