@@ -513,12 +513,12 @@ def test_order_check_agrees_on_each_backward_hook_once(world):
 def test_order_check_replays_a_step_that_ran_alike(world):
     """[Note: verified orders] The first step exchanges blocking (11, as above). The second
     parts from it, on every rank alike, where the last blocks stay gathered into the backward
-    (the first step keeps none): its first 4 exchanges (the forward) are committed, the rest
-    block (6 with the agreement on skipped gathers). The third parts from the second where its
-    backward agrees no more: 5 block. From the fourth on only the step blocks; the other 8
-    exchanges are committed."""
+    (the first step keeps none): its first 4 exchanges (the forward) are one committed row
+    (``BLOCK`` = 4 exchanges per row), the rest block (6 with the agreement on skipped
+    gathers). The third parts from the second where its backward agrees no more: 5 block.
+    From the fourth on only the step blocks; the other 8 exchanges are 2 committed rows."""
     for per_step in world(2).run(case_order_check_exchanges, True, timeout=TIMEOUT):
-        assert per_step == [(11, 0), (6, 4), (5, 4), (1, 8)], per_step
+        assert per_step == [(11, 0), (6, 1), (5, 1), (1, 2)], per_step
 
 
 def case_backward_starts_elsewhere() -> float:

@@ -11,8 +11,8 @@ same shape, the first divergent point always meets a check on every rank.
 
 The check is one small collective; blocking, it makes every rank wait for the slowest to reach
 the same point (measured: that synchronisation, not the collective's latency, is its cost), so
-once a step has run alike on every rank the next ones replay its order and check each exchange
-later without waiting ([Note: verified orders] in replay.py). Also
+once a step has run alike on every rank the next ones replay its order and check it later
+without waiting, one row per block of exchanges ([Note: verified orders] in replay.py). Also
 where one hook is about to issue several collectives (the backward hook of a unit reduce-scatters
 the unit that just finished and prefetches the next one; the end of backward reduces every unit
 left), ``approve`` agrees on the whole plan, up to ``PLAN_SLOTS`` collectives per exchange, and
@@ -64,7 +64,7 @@ from zerodp.params.order_story import (
     first_difference,
     reported_message,
 )
-from zerodp.params.replay import PLAN_SLOTS, WINDOW, CommittedRows, Entry, Replay
+from zerodp.params.replay import PLAN_SLOTS, CommittedRows, Entry, Replay
 
 __all__ = ["PLAN_SLOTS", "Extras", "Op", "OrderCheck"]
 
@@ -105,9 +105,11 @@ class _GathersOnly:
         raise AssertionError("no extras without a schedule")
 
 
-# A row: error, marker, position, blocked, backwards, plan length, committed; then the plan.
-_HEAD = 7
+# A row: error, marker, position, blocked, backwards, plan length, committed, left; then the
+# plan.
+_HEAD = 8
 _COMMITTED = 6
+_LEFT = 7
 
 
 class OrderCheck:
@@ -134,6 +136,7 @@ class OrderCheck:
         self._sequence: deque[tuple[Op, int, bool]] = deque()
         self._marker = Op.NOTHING  # sent with the next exchange
         self._positions: list[int] = []  # every rank's step position at the last exchange
+        self._left = -1  # where this rank left a block it promised ([Note: verified orders])
         self.replay = Replay(self.enabled and enabled != "exchange")
         self._rows = CommittedRows()
 
@@ -196,15 +199,25 @@ class OrderCheck:
             raise RuntimeError(f"zerodp internal error: {list(self._sequence)} not issued")
         entry: Entry = (int(self._marker), tuple(plan))
         replay = self.replay
-        if not self.error and replay.expects(entry):  # [Note: verified orders]
-            self._check_rows(replay.position - WINDOW)
+        if replay.in_block():  # [Note: verified orders]: promised when the block's row was sent
+            if replay.expects(entry):
+                return self._agreed(entry)
+            self._leave_block()
+        elif not self.error and replay.expects(entry) and replay.starts_block():
+            self._check_rows(replay.position - 1)
             self._commit(replay.position, plan)
+            replay.promise()
             return self._agreed(entry)
         self._check_rows(replay.position)  # every older row, before exchanging blocking
         plans, head = self._exchange(plan, blocked)
         if any(row[_COMMITTED] for row in head):  # others follow the prediction: diverged
             self._replay_diverged(replay.position, plans, head, stand_in=True)
         self._check_head(head)
+        if any(row[_LEFT] >= 0 for row in head):
+            if len({row[_LEFT] for row in head}) > 1:  # some ranks left a block, not all alike
+                self._replay_parted(plans, head)  # every rank exchanges: nothing in flight
+            self._left = -1  # every rank left at the same point: the step changed everywhere
+            replay.drop()
         if all(p == plan for p in plans):
             if len({row[1] for row in head}) > 1:  # same plan, different kinds of work
                 self._diverged([(Op(row[1]), -1) for row in head])
@@ -245,6 +258,18 @@ class OrderCheck:
             self._sequence.append((op, i, own))
         return [c in agreed for c in plan]
 
+    def _leave_block(self) -> None:
+        """This rank's plan is not the one it promised: issue what the ranks that keep the
+        promise issue until the block ends (standing in, nothing of this rank changes), then
+        exchange blocking, telling where it left (``left`` column)."""
+        replay = self.replay
+        self._left = replay.position
+        for position in replay.leave():
+            entry = replay.predicted(position)
+            assert entry is not None
+            for op, i in entry[1]:
+                self.extras.stand_in(op, i)
+
     def _agreed(self, entry: Entry) -> list[bool]:
         """Every rank plans ``entry``: issue it as it is."""
         self._marker = Op.NOTHING
@@ -268,7 +293,7 @@ class OrderCheck:
     def _row(self, part: list[Item], blocked: bool, committed: bool) -> torch.Tensor:
         """The first row of an exchange: the head, then up to ``PLAN_SLOTS`` items."""
         head = [int(bool(self.error)), int(self._marker), _position(self.comm), int(blocked)]
-        head += [self.backwards, len(part), int(committed)]
+        head += [self.backwards, len(part), int(committed), self._left]
         return torch.tensor(head + _slots(part[:PLAN_SLOTS]), dtype=torch.int64, device=self.device)
 
     def _commit(self, position: int, plan: list[Item]) -> None:
@@ -308,13 +333,58 @@ class OrderCheck:
     def _replay_diverged(
         self, position: int, plans: list[list[Item]], head: list[list[int]], stand_in: bool
     ) -> NoReturn:
-        """Ranks parted from the replayed order at ``position`` ([Note: verified orders]): issue
-        what the committed ranks can have issued (standing in for ``position`` itself when
-        this rank did not commit it), wait for it all, then raise the same error everywhere."""
+        """Ranks parted from the replayed order, found at the row of ``position`` ([Note:
+        verified orders]): issue what the committed ranks can have issued (standing in for
+        ``position`` itself when this rank did not commit it), wait for it all, then raise the
+        same error everywhere."""
+        replay = self.replay
+        end = replay.padding_end(position)
+        first = position if stand_in else replay.position
+        try:
+            message = self._replay_story(plans, head)
+            # No row falls in a padding: it ends before the next block starts.
+            for p in range(first, end + 1):
+                entry = replay.predicted(p)
+                assert entry is not None
+                for op, i in entry[1]:
+                    self.extras.stand_in(op, i)
+            self._rows.drain()
+        finally:
+            self._stop_replay()
+        raise RuntimeError(message)
+
+    def _replay_parted(self, plans: list[list[Item]], head: list[list[int]]) -> NoReturn:
+        """Some ranks left a promised block and the others did not (they are at a barrier):
+        every rank is at this exchange, so only the error remains."""
+        try:
+            message = self._replay_story(plans, head)
+            self._rows.drain()
+        finally:
+            self._stop_replay()
+        raise RuntimeError(message)
+
+    def _stop_replay(self) -> None:
+        self.replay.off()
+        self._sequence.clear()
+        self._marker = Op.NOTHING
+        self._left = -1
+
+    def _replay_story(self, plans: list[list[Item]], head: list[list[int]]) -> str:
+        """The error of a divergence found against the replayed order: what each rank was about
+        to do where the first rank parted (a rank that left a block it promised tells where,
+        and the others were about to issue the predicted entry there)."""
         self._positions = [row[2] for row in head]
         flagged = [r for r, row in enumerate(head) if row[0]]
         error, self.error = self.error, ""
         markers = [Op(row[1]) for row in head]
+        lefts = [row[_LEFT] for row in head if row[_LEFT] >= 0]
+        if lefts:
+            at = min(lefts)
+            predicted = self.replay.predicted(at)
+            assert predicted is not None
+            for r, row in enumerate(head):
+                if row[_LEFT] != at:
+                    markers[r], plans[r] = Op(predicted[0]), list(predicted[1])
         if flagged:  # this rank's own text only where its row carried it
             message = reported_message(flagged, error if self.comm.rank in flagged else "")
         elif len(set(markers)) > 1 and (
@@ -331,29 +401,14 @@ class OrderCheck:
             )
         if error and self.comm.rank not in flagged:
             message += f" (This rank also found: {error})"
-        replay = self.replay
-        end = replay.padding_end(position)
-        first = position if stand_in else replay.position
-        try:
-            for p in range(first, end + 1):
-                entry = replay.predicted(p)
-                assert entry is not None
-                if p > position or not stand_in:
-                    self._commit(p, list(entry[1]))
-                for op, i in entry[1]:
-                    self.extras.stand_in(op, i)
-            self._rows.drain()
-        finally:
-            replay.off()
-            self._sequence.clear()
-            self._marker = Op.NOTHING
-        raise RuntimeError(message)
+        return message
 
     def _check_head(self, rows: list[list[int]]) -> None:
         flagged = [r for r, row in enumerate(rows) if row[0]]
         if flagged:
             error, self.error = self.error, ""
             self.replay.off()
+            self._left = -1
             raise RuntimeError(reported_message(flagged, error))
         self._positions = [row[2] for row in rows]
         # Where every rank starts some work and the kinds differ (one evaluates while another
@@ -363,8 +418,7 @@ class OrderCheck:
             self._diverged([(m, -1) for m in markers])
 
     def _diverged(self, seen: list[Item]) -> NoReturn:
-        self._sequence.clear()
-        self.replay.off()
+        self._stop_replay()
         raise RuntimeError(divergence_message(seen, self._positions, self.labels))
 
 
