@@ -56,12 +56,28 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from zerodp.comm import STEP_PHASES, Communicator
+from zerodp.comm import Communicator
+from zerodp.params.order_rows import (
+    BACKWARDS,
+    BLOCKED,
+    COMMITTED,
+    ERROR,
+    HEAD,
+    LEFT,
+    LENGTH,
+    MARKER,
+    POSITION,
+    plan_of,
+    slots,
+    step_position,
+)
 from zerodp.params.order_story import (
     Item,
     Op,
     divergence_message,
     first_difference,
+    merge_plans,
+    replayed_divergence,
     reported_message,
 )
 from zerodp.params.replay import PLAN_SLOTS, CommittedRows, Entry, Replay
@@ -103,13 +119,6 @@ class _GathersOnly:
 
     def stand_in(self, op: Op, index: int) -> None:
         raise AssertionError("no extras without a schedule")
-
-
-# A row: error, marker, position, blocked, backwards, plan length, committed, left; then the
-# plan.
-_HEAD = 8
-_COMMITTED = 6
-_LEFT = 7
 
 
 class OrderCheck:
@@ -210,26 +219,26 @@ class OrderCheck:
             return self._agreed(entry)
         self._check_rows(replay.position)  # every older row, before exchanging blocking
         plans, head = self._exchange(plan, blocked)
-        if any(row[_COMMITTED] for row in head):  # others follow the prediction: diverged
+        if any(row[COMMITTED] for row in head):  # others follow the prediction: diverged
             self._replay_diverged(replay.position, plans, head, stand_in=True)
         self._check_head(head)
-        if any(row[_LEFT] >= 0 for row in head):
-            if len({row[_LEFT] for row in head}) > 1:  # some ranks left a block, not all alike
+        if any(row[LEFT] >= 0 for row in head):
+            if len({row[LEFT] for row in head}) > 1:  # some ranks left a block, not all alike
                 self._replay_parted(plans, head)  # every rank exchanges: nothing in flight
             self._left = -1  # every rank left at the same point: the step changed everywhere
             replay.drop()
         if all(p == plan for p in plans):
-            if len({row[1] for row in head}) > 1:  # same plan, different kinds of work
-                self._diverged([(Op(row[1]), -1) for row in head])
+            if len({row[MARKER] for row in head}) > 1:  # same plan, different kinds of work
+                self._diverged([(Op(row[MARKER]), -1) for row in head])
             return self._agreed(entry)
         self.replay.off()
         if len(set(self._positions)) > 1:  # ranks at different steps: never merged
             self._diverged(first_difference(plans))
         # Markers: the ranks are not at the same point; a marker no rank contradicts waits.
-        if len({row[1] for row in head}) == 1:
+        if len({row[MARKER] for row in head}) == 1:
             self._marker = Op.NOTHING
         union = sorted({c for p in plans for c in p})
-        same_pass = len({row[4] for row in head}) == 1
+        same_pass = len({row[BACKWARDS] for row in head}) == 1
         bits = [int(c in plan or self._can_extra(c, same_pass)) for c in union]
         everyone = self.comm.all_gather_control(
             torch.tensor(bits, dtype=torch.int64, device=self.device)
@@ -237,11 +246,11 @@ class OrderCheck:
         self.calls += 1
         self.merges += 1
         agreed = {c for k, c in enumerate(union) if bool(everyone[:, k].all())}
-        if not agreed and all(row[3] for row in head):  # nobody can go on
+        if not agreed and all(row[BLOCKED] for row in head):  # nobody can go on
             self._diverged(first_difference(plans))
         while True:
             lists = [[c for c in p if c in agreed] for p in plans]
-            order = _merge(lists)
+            order = merge_plans(lists)
             if order is not None:
                 break
             # Two ranks order the same collectives differently (a rank at the end of its
@@ -292,9 +301,10 @@ class OrderCheck:
 
     def _row(self, part: list[Item], blocked: bool, committed: bool) -> torch.Tensor:
         """The first row of an exchange: the head, then up to ``PLAN_SLOTS`` items."""
-        head = [int(bool(self.error)), int(self._marker), _position(self.comm), int(blocked)]
+        # The columns of order_rows, in their order.
+        head = [int(bool(self.error)), int(self._marker), step_position(self.comm), int(blocked)]
         head += [self.backwards, len(part), int(committed), self._left]
-        return torch.tensor(head + _slots(part[:PLAN_SLOTS]), dtype=torch.int64, device=self.device)
+        return torch.tensor(head + slots(part[:PLAN_SLOTS]), dtype=torch.int64, device=self.device)
 
     def _commit(self, position: int, plan: list[Item]) -> None:
         """Send this rank's row for ``position`` without waiting; checked later."""
@@ -311,23 +321,23 @@ class OrderCheck:
         committed its row (a committed rank sends one)."""
         rows = self.comm.all_gather_control(self._row(plan, blocked, False)).tolist()
         self.calls += 1
-        longest = max(row[5] for row in rows)
-        if not any(row[_COMMITTED] for row in rows):
+        longest = max(row[LENGTH] for row in rows)
+        if not any(row[COMMITTED] for row in rows):
             for sent in range(PLAN_SLOTS, longest, PLAN_SLOTS):
-                mine = torch.tensor(_slots(plan[sent : sent + PLAN_SLOTS]), device=self.device)
+                mine = torch.tensor(slots(plan[sent : sent + PLAN_SLOTS]), device=self.device)
                 got = self.comm.all_gather_control(mine).reshape(len(rows), -1).tolist()
                 self.calls += 1
                 rows = [a + b for a, b in zip(rows, got, strict=True)]
-        plans = [_plan(row) for row in rows]
-        return plans, [r[:_HEAD] for r in rows]
+        plans = [plan_of(row) for row in rows]
+        return plans, [r[:HEAD] for r in rows]
 
     def _check_rows(self, upto: int) -> None:
         """Check the committed rows at positions ``<= upto``: every rank sent the same."""
         for position, rows in self._rows.due(upto):
-            plans = [_plan(row) for row in rows]
-            head = [row[:_HEAD] for row in rows]
-            same = all(p == plans[0] for p in plans) and len({r[1] for r in head}) == 1
-            if not same or any(r[0] or not r[_COMMITTED] for r in head):
+            plans = [plan_of(row) for row in rows]
+            head = [row[:HEAD] for row in rows]
+            same = all(p == plans[0] for p in plans) and len({r[MARKER] for r in head}) == 1
+            if not same or any(r[ERROR] or not r[COMMITTED] for r in head):
                 self._replay_diverged(position, plans, head, stand_in=False)
 
     def _replay_diverged(
@@ -370,91 +380,32 @@ class OrderCheck:
         self._left = -1
 
     def _replay_story(self, plans: list[list[Item]], head: list[list[int]]) -> str:
-        """The error of a divergence found against the replayed order: what each rank was about
-        to do where the first rank parted (a rank that left a block it promised tells where,
-        and the others were about to issue the predicted entry there)."""
-        self._positions = [row[2] for row in head]
-        flagged = [r for r, row in enumerate(head) if row[0]]
+        self._positions = [row[POSITION] for row in head]
         error, self.error = self.error, ""
-        markers = [Op(row[1]) for row in head]
-        lefts = [row[_LEFT] for row in head if row[_LEFT] >= 0]
-        if lefts:
-            at = min(lefts)
-            predicted = self.replay.predicted(at)
-            assert predicted is not None
-            for r, row in enumerate(head):
-                if row[_LEFT] != at:
-                    markers[r], plans[r] = Op(predicted[0]), list(predicted[1])
-        if flagged:  # this rank's own text only where its row carried it
-            message = reported_message(flagged, error if self.comm.rank in flagged else "")
-        elif len(set(markers)) > 1 and (
-            Op.NOTHING not in markers or all(p == plans[0] for p in plans)
-        ):  # as ``_check_head`` tells it: what each rank started
-            seen = [
-                (m, -1) if m is not Op.NOTHING else p[0]
-                for m, p in zip(markers, plans, strict=True)
-            ]
-            message = divergence_message(seen, self._positions, self.labels)
-        else:
-            message = divergence_message(
-                first_difference(plans), self._positions, self.labels, replayed=True
-            )
-        if error and self.comm.rank not in flagged:
-            message += f" (This rank also found: {error})"
-        return message
+        return replayed_divergence(
+            plans,
+            [Op(row[MARKER]) for row in head],
+            [row[LEFT] for row in head],
+            [r for r, row in enumerate(head) if row[ERROR]],
+            self.replay.predicted,
+            (self._positions, self.labels),
+            (self.comm.rank, error),
+        )
 
     def _check_head(self, rows: list[list[int]]) -> None:
-        flagged = [r for r, row in enumerate(rows) if row[0]]
+        flagged = [r for r, row in enumerate(rows) if row[ERROR]]
         if flagged:
             error, self.error = self.error, ""
             self.replay.off()
             self._left = -1
             raise RuntimeError(reported_message(flagged, error))
-        self._positions = [row[2] for row in rows]
+        self._positions = [row[POSITION] for row in rows]
         # Where every rank starts some work and the kinds differ (one evaluates while another
         # trains), that is the story.
-        markers = [Op(row[1]) for row in rows]
+        markers = [Op(row[MARKER]) for row in rows]
         if Op.NOTHING not in markers and len(set(markers)) > 1:
             self._diverged([(m, -1) for m in markers])
 
     def _diverged(self, seen: list[Item]) -> NoReturn:
         self._stop_replay()
         raise RuntimeError(divergence_message(seen, self._positions, self.labels))
-
-
-def _slots(part: list[Item]) -> list[int]:
-    """``PLAN_SLOTS`` items of a plan as row columns, padded with ``NOTHING``."""
-    part = part + [(Op.NOTHING, -1)] * (PLAN_SLOTS - len(part))
-    return [v for op, i in part for v in (int(op), i)]
-
-
-def _plan(row: list[int]) -> list[Item]:
-    """The plan of an exchanged row (as far as it was sent)."""
-    length = min(row[5], (len(row) - _HEAD) // 2)
-    return [(Op(row[k]), row[k + 1]) for k in range(_HEAD, _HEAD + 2 * length, 2)]
-
-
-def _position(comm: Communicator) -> int:
-    """Steps completed, doubled, plus one inside a step: equal on every rank of a correct
-    program at every exchange."""
-    progress = comm.progress
-    return 2 * progress.step + int(progress.phase in STEP_PHASES)
-
-
-def _merge(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]] | None:
-    """One order containing every plan as a subsequence (the same on every rank: ranks take
-    their heads in rank order), or None where two plans order two items differently."""
-    left = [list(p) for p in plans]
-    out: list[tuple[Op, int]] = []
-    while any(left):
-        for p in left:
-            if p and all(not q or q[0] == p[0] or p[0] not in q for q in left):
-                head = p[0]
-                out.append(head)
-                for q in left:
-                    if q and q[0] == head:
-                        q.pop(0)
-                break
-        else:
-            return None
-    return out

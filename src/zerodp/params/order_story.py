@@ -8,6 +8,7 @@ same error whichever found it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 
 class Op(enum.IntEnum):
@@ -95,6 +96,47 @@ def divergence_message(
     return f"zerodp stage 3: ranks diverged at a parameter collective: {doing}. {advice}"
 
 
+def replayed_divergence(
+    plans: list[list[Item]],
+    markers: list[Op],
+    lefts: list[int],
+    flagged: list[int],
+    predicted: Callable[[int], tuple[int, tuple[Item, ...]] | None],
+    where: tuple[list[int], list[str]],
+    own: tuple[int, str],
+) -> str:
+    """The error of a divergence found against the replayed order ([Note: verified orders] in
+    replay.py), from every rank's row: its plan, marker, where it left a block it promised
+    (``lefts``, -1: it did not) and whether it reported an error (``flagged``). Told where the
+    first rank left: the others were about to issue the ``predicted`` entry there. ``where``:
+    the ranks' step positions and the labels; ``own``: this rank and its error text, if any."""
+    positions, labels = where
+    rank, error = own
+    plans, markers = list(plans), list(markers)
+    left = [p for p in lefts if p >= 0]
+    if left:
+        at = min(left)
+        entry = predicted(at)
+        assert entry is not None
+        for r, p in enumerate(lefts):
+            if p != at:
+                markers[r], plans[r] = Op(entry[0]), list(entry[1])
+    if flagged:  # this rank's own text only where its row carried it
+        message = reported_message(flagged, error if rank in flagged else "")
+    elif len(set(markers)) > 1 and (
+        Op.NOTHING not in markers or all(p == plans[0] for p in plans)
+    ):  # as a blocking exchange tells it: what each rank started
+        seen = [
+            (m, -1) if m is not Op.NOTHING else p[0] for m, p in zip(markers, plans, strict=True)
+        ]
+        message = divergence_message(seen, positions, labels)
+    else:
+        message = divergence_message(first_difference(plans), positions, labels, replayed=True)
+    if error and rank not in flagged:
+        message += f" (This rank also found: {error})"
+    return message
+
+
 def reported_message(flagged: list[int], text: str) -> str:
     """The error every rank raises when ranks ``flagged`` found a problem of their own
     (``text``: this rank's, where it is one of them)."""
@@ -121,3 +163,22 @@ def first_difference(plans: list[list[Item]]) -> list[Item]:
         if any(s != seen[0] for s in seen):
             return seen
     return [p[0] for p in padded]
+
+
+def merge_plans(plans: list[list[tuple[Op, int]]]) -> list[tuple[Op, int]] | None:
+    """One order containing every plan as a subsequence (the same on every rank: ranks take
+    their heads in rank order), or None where two plans order two items differently."""
+    left = [list(p) for p in plans]
+    out: list[tuple[Op, int]] = []
+    while any(left):
+        for p in left:
+            if p and all(not q or q[0] == p[0] or p[0] not in q for q in left):
+                head = p[0]
+                out.append(head)
+                for q in left:
+                    if q and q[0] == head:
+                        q.pop(0)
+                break
+        else:
+            return None
+    return out
