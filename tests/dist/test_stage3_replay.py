@@ -33,6 +33,7 @@ UNEVEN = (12, 20, 16, 9)
 # a rank can part inside a block whose row it committed.
 LONG = (16,) * 8
 SWAP_LATE = [0, 1, 2, 3, 5, 4, 6, 7]
+SWAP_EARLIER = [0, 1, 2, 4, 3, 5, 6, 7]  # parts one exchange before SWAP_LATE does
 
 
 class Partly(Stack):
@@ -208,6 +209,49 @@ def test_ranks_that_change_their_order_together_go_on(world, tmp_path):
         assert o["last_step_committed"] == 2, o
 
 
+def case_two_part_apart() -> dict:
+    """Rank 1 parts at the 7th exchange of step 4 (blocks 3 and 4 swapped), rank 2 at the 8th
+    (blocks 4 and 5), both inside the block of exchanges 5-8 whose row they committed; rank 0
+    follows the order."""
+    rank, world = rank_world()
+    pair = make_pair(lambda: Stack(hiddens=LONG), adamw_two_groups, _cfg())
+    orders = {1: SWAP_EARLIER, 2: SWAP_LATE}
+    start, message = 0.0, "finished"
+    for step in range(4):
+        data = batches(step, world, 3, [(8,), (8,)])
+
+        def loss(m: torch.nn.Module, r: int, data: list = data, step: int = step) -> torch.Tensor:
+            x, y = data[r]
+            return F.mse_loss(m(x, orders.get(r) if step == 3 else None), y)
+
+        if step == 3:
+            start = time.monotonic()
+        try:
+            synced_step(pair, loss, world, rank)
+        except RuntimeError as e:
+            message = str(e)
+    took = time.monotonic() - start
+    fresh = make_pair(lambda: Stack(hiddens=LONG), adamw_two_groups, _cfg())
+    for step in range(3):
+        _step(fresh, step, world, rank)
+    after = assert_close(fresh.model, fresh.ref, what="fresh model after the error")
+    return {"message": message, "took": took, "after": after}
+
+
+def test_two_ranks_that_part_at_different_points_of_a_block(world):
+    """The error names what each rank was about to do where the first one parted: rank 2,
+    which parted later, was about to issue what rank 0 issues there."""
+    story = (
+        "rank 0 all-gathers 'blocks.6'; rank 1 all-gathers 'blocks.3'; "
+        "rank 2 all-gathers 'blocks.6'."
+    )
+    out = world(3).run(case_two_part_apart, timeout=TIMEOUT)
+    for o in out:
+        assert o["message"].startswith(_PREFIX + story), o
+        assert _HINT in o["message"] and o["took"] < FAST and o["after"] <= 1e-6, o
+    assert len({o["message"] for o in out}) == 1, out
+
+
 def case_all_part_alike() -> dict:
     """Every rank swaps blocks 4 and 5 in step 6's forward: each parts from the replayed order
     inside a block whose row it committed, stands in for the rest of the block, and the
@@ -237,9 +281,10 @@ def test_ranks_that_part_inside_a_block_together_go_on(world):
     ran_alike in test_stage3.py tells it for 4 blocks). Steps 4 and 5 replay: 16 exchanges in
     4 committed rows, then the step. Step 6 commits the rows of exchanges 1 and 5, parts at the
     8th (the forward's last), stands in for it and exchanges the rest blocking, in parity.
-    A step that parted is not recorded, so step 7 exchanges all of its 20; step 8 commits its
-    first block and parts at the 5th exchange (step 7 still prefetched in the order step 6
-    ran); step 9 replays again."""
+    Step 6 is recorded without its stand-ins (what every rank's program did), so step 7
+    replays it: it commits its first block and parts at the 5th exchange, where step 6 had
+    gathered block 5 before block 4 (16 block). Step 8 parts from step 7 at the same place
+    (step 7 still prefetched in the order step 6 ran); step 9 replays again."""
     for o in world(2).run(case_all_part_alike, timeout=TIMEOUT):
         assert o["worst"] <= 1e-6 and o["merges"] == 0, o
         assert o["per_step"] == [
@@ -249,7 +294,7 @@ def test_ranks_that_part_inside_a_block_together_go_on(world):
             (1, 4),
             (1, 4),
             (13, 2),
-            (20, 0),
+            (16, 1),
             (13, 1),
             (1, 4),
         ], o

@@ -37,7 +37,7 @@ rank that did not plan a reduce-scatter joins it with zeros only if it is in the
 no gradient can arrive later; else the reduce-scatter is left for later on the ranks that
 planned it (they keep the gradients; the end of backward reduces what is left, in unit order).
 The agreed items are issued in one order that contains every rank's plan as a subsequence
-(``_merge``, the same on every rank); extras are issued before the next own collective or right
+(``merge_plans``, the same on every rank); extras are issued before the next own collective or right
 after the last (``issue_extras``). A rank that cannot go on until its items are agreed (the end
 of backward, the step, a buffer broadcast, a checkpoint) exchanges again while the others run:
 their exchanges pair with its repeats. Where nothing can be agreed and every rank waits (one
@@ -315,10 +315,10 @@ class OrderCheck:
     def _exchange(
         self, plan: list[Item], blocked: bool
     ) -> tuple[list[list[Item]], list[list[int]]]:
-        """Every rank's plan and head row (error, marker, position, blocked, backwards,
-        length, committed): one all-gather of ``PLAN_SLOTS`` items, and more only where a
-        plan is longer (every rank learns the longest length from the first) and no rank
-        committed its row (a committed rank sends one)."""
+        """Every rank's plan and head row (the columns of order_rows: error, marker, position,
+        blocked, backwards, length, committed, left): one all-gather of ``PLAN_SLOTS`` items,
+        and more only where a plan is longer (every rank learns the longest length from the
+        first) and no rank committed its row (a committed rank sends one)."""
         rows = self.comm.all_gather_control(self._row(plan, blocked, False)).tolist()
         self.calls += 1
         longest = max(row[LENGTH] for row in rows)
@@ -349,6 +349,8 @@ class OrderCheck:
         same error everywhere."""
         replay = self.replay
         end = replay.padding_end(position)
+        # A rank that finds it checking a row is past ``end`` (it checks at the next check
+        # only): its padding is empty.
         first = position if stand_in else replay.position
         try:
             message = self._replay_story(plans, head)

@@ -38,9 +38,11 @@ about 20 exchanges.
   rank (zero_grad before going on).
 
 Limits: the bound counts the checked collectives only, so another collective on the same
-process group inside the window (a loss all-reduced between forward and backward, SyncBatchNorm,
-``generate(synced_gpus=True)``) can still pair with a stand-in; the blocking exchange had the
-same exposure one collective earlier. A rank whose program ends (no further exchange) within
+process group inside a block or a padding (a loss all-reduced between forward and backward,
+SyncBatchNorm, ``generate(synced_gpus=True)``) can still pair with a stand-in; the blocking
+exchange had the same exposure one collective earlier. A rank's own error (``OrderCheck.error``)
+found inside a block it promised is reported where the block ends, at most ``BLOCK`` exchanges
+after it was found, still before the step. A rank whose program ends (no further exchange) within
 a block or two of a divergence leaves the rank that parted waiting in its padding until the
 watchdog names it.
 
@@ -120,7 +122,7 @@ class Replay:
 
     def in_block(self) -> bool:
         """Whether this rank promised the predicted entry here (it committed its block)."""
-        return self.position < self.promised
+        return self._prediction is not None and self.position < self.promised
 
     def promise(self) -> None:
         """This rank committed the row at this position: it issues the predicted collectives
@@ -144,6 +146,7 @@ class Replay:
         """Every rank agreed on ``entry`` (committed, or exchanged with the same plan)."""
         if self.predicted(self.position) != entry:
             self._prediction = None  # left on every rank alike: the rest is exchanged
+            self.promised = 0
         if len(self._recording) < MAX_ENTRIES:
             self._recording.append(entry)
         else:
@@ -153,10 +156,10 @@ class Replay:
     def leave(self) -> range:
         """This rank's plan is not the one it promised: the positions it stands in for until
         the block ends (their collectives, as the others issue them), after which it exchanges
-        blocking. The step is not recorded."""
+        blocking. They are not recorded: what follows is what the program does after the
+        entries recorded so far, a prediction of the next step if every rank left alike."""
         skipped = range(self.position, self.promised)
         self.position = self.promised
-        self._unanimous = False
         return skipped
 
     def padding_end(self, diverged: int) -> int:
@@ -165,10 +168,10 @@ class Replay:
         return self.next_check(diverged) - 1
 
     def drop(self) -> None:
-        """Every rank left the prediction alike: exchange blocking for the rest of the step."""
+        """Every rank left the prediction alike: exchange blocking for the rest of the step,
+        which is recorded as it goes on (see ``leave``)."""
         self._prediction = None
         self.promised = 0
-        self._unanimous = False
 
     def end_step(self) -> None:
         """The step's exchange was agreed: a unanimous step predicts the next one."""
