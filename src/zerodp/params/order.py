@@ -366,8 +366,8 @@ class OrderCheck:
         raise RuntimeError(message)
 
     def _replay_parted(self, plans: list[list[Item]], head: list[list[int]]) -> NoReturn:
-        """Some ranks left a promised block and the others did not (they are at a barrier):
-        every rank is at this exchange, so only the error remains."""
+        """Ranks left promised blocks at different points, or some left and the others are at
+        a barrier: every rank exchanges here, nothing is in flight, only the error remains."""
         try:
             message = self._replay_story(plans, head)
             self._rows.drain()

@@ -26,8 +26,9 @@ about 20 exchanges.
   own changes; these pair with what the others issue), then exchanges blocking with the
   position where it left (``left`` column) and the plan it has there. Where every rank left at
   the same position, the step changed alike everywhere: the exchange decides as it always did
-  and the step is exchanged from there on, not recorded. Where some ranks left and the others
-  are at a barrier (exchanging too), every rank raises at once.
+  and the step is exchanged from there on (and recorded, without the stand-ins). Where ranks
+  left at different positions, or some left and the others are at a barrier (exchanging too),
+  every rank raises at once.
 - Where some rank committed the row a rank exchanges against, those ranks already issue the
   predicted collectives: the rank stands in for them and the ranks have diverged. Every rank
   that sees it, the first at once and the others when they check that row, issues the predicted
