@@ -1,8 +1,8 @@
 """The stage-3 schedule, run by module and autograd hooks.
 
-Over the ~400-line budget: the extras of merged plans live in extras.py and the holds on units
-that are not running (prefetches, kept last units, borrowed attached units) in holding.py; the
-split of the rest into forward and backward is still to come.
+The extras of merged plans live in extras.py, the holds on units that are not running
+(prefetches, kept last units, borrowed attached units) in holding.py, and the deferred
+reduce-scatters in reductions.py.
 
 [Note: recompute]
 A checkpointed module's backward first runs its forward again ([Note: activation checkpointing]
@@ -87,6 +87,7 @@ from zerodp.params.holding import Holding
 from zerodp.params.order import Op, OrderCheck
 from zerodp.params.prefetch import PassOrder
 from zerodp.params.reduce import ShardedGrads
+from zerodp.params.reductions import Reductions
 from zerodp.params.saved import QUIET_AGREEMENTS, agree, begin_forward, end_forward
 from zerodp.params.tree import map_tensors, tensors_in
 from zerodp.params.unit import Gatherer, Trace, Unit, UnitState
@@ -141,7 +142,7 @@ class Schedule:
         self.persistent_seg_ids = persistent_seg_ids
         self.trace = trace
         self.holding = Holding(units, gatherer, keep)  # holds on units not running
-        self._deferred: list[Unit] = []  # backward done, reduce-scatter not issued yet
+        self.reductions = Reductions(lambda: self.grads, check, trace)
         self._backward_open = False
         self._handles: list[Any] = []
         # Collectives other ranks planned ([Note: merged plans]); the check holds it weakly.
@@ -270,9 +271,10 @@ class Schedule:
         gather = unit.gathered_for_backward
         upcoming = self.bwd.visit(unit.index) if unit.segments and gather else []
         wanted = [u for u in (self.units[i] for i in upcoming) if u.gathered_for_backward]
-        plan = self._deferred_plan() + (Gatherer.start_plan(unit) if gather else [])
+        reductions = self.reductions
+        plan = reductions.deferred_plan() + (Gatherer.start_plan(unit) if gather else [])
         plan += [op for u in wanted for op in Gatherer.start_plan(u)]
-        self._flush_deferred(self._approve(plan))
+        reductions.flush(reductions.approve(plan))
         if unit.segments and gather:
             self.holding.let_go_of_carried(unit, wanted)
         if gather:
@@ -289,8 +291,7 @@ class Schedule:
         # A unit also called on inputs that need no gradient may have a call whose backward is
         # still to come: it is reduced when its gradients are complete ("grad ready").
         if self.grads.sync_enabled and not unit.reduced and not unit.untracked:
-            unit.reduced = True  # issued by the next hook that issues collectives
-            self._deferred.append(unit)
+            self.reductions.defer(unit)  # issued by the next hook that issues collectives
         unit.in_backward = False
         unit.carried = False
         unit.recomputed = False
@@ -318,14 +319,14 @@ class Schedule:
             # forward), or a call on inputs that need no gradient (token ids; a unit applied
             # to the same input twice). Each parameter has one AccumulateGrad per backward,
             # run after every use, so the gradients are complete now: reduce and release.
-            own = self._reduce_plan(unit)
-            agreed = self._approve(self._deferred_plan() + own)
-            self._flush_deferred(agreed)
+            reductions = self.reductions
+            own = reductions.plan(unit)
+            agreed = reductions.approve(reductions.deferred_plan() + own)
+            reductions.flush(agreed)
             if all(op in agreed for op in own):
-                self._reduce(unit)
+                reductions.reduce(unit)
             else:  # another rank cannot take part yet: a later hook issues it
-                unit.reduced = True
-                self._deferred.append(unit)
+                reductions.defer(unit)
             unit.borrowed = False
             unit.in_backward = False
             unit.carried = False
@@ -347,63 +348,11 @@ class Schedule:
 
     def _end_backward(self) -> None:
         if self.grads.sync_enabled:
-            # Every unit not reduce-scattered yet, in unit order (the same list on every rank
-            # once all are here: [Note: merged plans]), then the persistent segments; agreed
-            # again while other ranks are still in their backward.
-            deferred = {id(u) for u in self._deferred}
-            units = [u for u in self.units if not u.reduced or id(u) in deferred]
-            self._deferred = []
-            for u in units:
-                u.reduced = True
-            segs = list(self.persistent_seg_ids)
-            while True:
-                plan = [op for u in units for op in self._reduce_plan(u)]
-                plan += [op for i in segs for op in self.grads.reduce_plan(i)]
-                agreed = self._approve(plan, blocked=True)
-                for u in [u for u in units if all(op in agreed for op in self._reduce_plan(u))]:
-                    self._reduce(u)
-                    units.remove(u)
-                for i in [i for i in segs if all(op in agreed for op in self.grads.reduce_plan(i))]:
-                    self.grads.reduce(i)
-                    segs.remove(i)
-                if not units and not segs:
-                    break
+            self.reductions.reduce_the_rest(self.units, self.persistent_seg_ids)
             self.grads.end_round()
         self._backward_open = False
         self.bwd.end()
         self.reset()
-
-    def _approve(self, plan: list[tuple[Op, int]], blocked: bool = False) -> set[tuple[Op, int]]:
-        """The items of ``plan`` every rank agreed on (``OrderCheck.approve``)."""
-        return {op for op, ok in zip(plan, self.check.approve(plan, blocked), strict=True) if ok}
-
-    def _reduce(self, unit: Unit) -> None:
-        """Reduce-scatter every segment of ``unit``: one checked collective."""
-        if self._reduce_plan(unit):
-            self.check(Op.REDUCE, unit.index)
-            for i in unit.seg_ids:
-                self.grads.reduce(i, checked=False)
-            self.check.issue_extras()
-        unit.reduced = True
-        if unit.segments:
-            self.trace("reduce", unit)
-
-    def _reduce_plan(self, unit: Unit) -> list[tuple[Op, int]]:
-        if any(self.grads.reduce_plan(i) for i in unit.seg_ids):
-            return [(Op.REDUCE, unit.index)]
-        return []
-
-    def _deferred_plan(self) -> list[tuple[Op, int]]:
-        return [op for u in self._deferred for op in self._reduce_plan(u)]
-
-    def _flush_deferred(self, agreed: set[tuple[Op, int]]) -> None:
-        """Reduce the deferred units every rank agreed on; the others stay deferred."""
-        deferred, self._deferred = self._deferred, []
-        for unit in deferred:
-            if all(op in agreed for op in self._reduce_plan(unit)):
-                self._reduce(unit)
-            else:
-                self._deferred.append(unit)
 
     # -- holding and releasing -----------------------------------------------------------------
 
@@ -433,7 +382,7 @@ class Schedule:
         """Forget per-step holds (end of backward, or the step / a checkpoint load with stale
         gathered copies) and release every unit nobody holds."""
         self.holding.forget()
-        self._deferred.clear()
+        self.reductions.clear()
         for unit in self.units:
             unit.reduced = False
             unit.in_backward = False
