@@ -220,11 +220,11 @@ class OrderCheck:
         self._check_rows(replay.position)  # every older row, before exchanging blocking
         plans, head = self._exchange(plan, blocked)
         if any(row[COMMITTED] for row in head):  # others follow the prediction: diverged
-            self._replay_diverged(replay.position, plans, head, stand_in=True)
+            self._replay_diverged(plans, head, replay.padding(replay.position))
         self._check_head(head)
         if any(row[LEFT] >= 0 for row in head):
             if len({row[LEFT] for row in head}) > 1:  # some ranks left a block, not all alike
-                self._replay_parted(plans, head)  # every rank exchanges: nothing in flight
+                self._replay_diverged(plans, head, range(0))  # every rank is here
             self._left = -1  # every rank left at the same point: the step changed everywhere
             replay.drop()
         if all(p == plan for p in plans):
@@ -271,13 +271,8 @@ class OrderCheck:
         """This rank's plan is not the one it promised: issue what the ranks that keep the
         promise issue until the block ends (standing in, nothing of this rank changes), then
         exchange blocking, telling where it left (``left`` column)."""
-        replay = self.replay
-        self._left = replay.position
-        for position in replay.leave():
-            entry = replay.predicted(position)
-            assert entry is not None
-            for op, i in entry[1]:
-                self.extras.stand_in(op, i)
+        self._left = self.replay.position
+        self._stand_in(self.replay.leave())
 
     def _agreed(self, entry: Entry) -> list[bool]:
         """Every rank plans ``entry``: issue it as it is."""
@@ -338,42 +333,30 @@ class OrderCheck:
             head = [row[:HEAD] for row in rows]
             same = all(p == plans[0] for p in plans) and len({r[MARKER] for r in head}) == 1
             if not same or any(r[ERROR] or not r[COMMITTED] for r in head):
-                self._replay_diverged(position, plans, head, stand_in=False)
+                self._replay_diverged(plans, head, self.replay.padding(position))
 
     def _replay_diverged(
-        self, position: int, plans: list[list[Item]], head: list[list[int]], stand_in: bool
+        self, plans: list[list[Item]], head: list[list[int]], padding: range
     ) -> NoReturn:
-        """Ranks parted from the replayed order, found at the row of ``position`` ([Note:
-        verified orders]): issue what the committed ranks can have issued (standing in for
-        ``position`` itself when this rank did not commit it), wait for it all, then raise the
-        same error everywhere."""
-        replay = self.replay
-        end = replay.padding_end(position)
-        # A rank that finds it checking a row is past ``end`` (it checks at the next check
-        # only): its padding is empty.
-        first = position if stand_in else replay.position
+        """Ranks parted from the replayed order ([Note: verified orders]): stand in for the
+        ``padding`` (the predicted positions the committed ranks can still issue before they
+        see the row; none where every rank is at this exchange), wait for it all, then raise
+        the same error everywhere."""
         try:
             message = self._replay_story(plans, head)
-            # No row falls in a padding: it ends before the next block starts.
-            for p in range(first, end + 1):
-                entry = replay.predicted(p)
-                assert entry is not None
-                for op, i in entry[1]:
-                    self.extras.stand_in(op, i)
+            self._stand_in(padding)  # no row falls in a padding: it ends before the next start
             self._rows.drain()
         finally:
             self._stop_replay()
         raise RuntimeError(message)
 
-    def _replay_parted(self, plans: list[list[Item]], head: list[list[int]]) -> NoReturn:
-        """Ranks left promised blocks at different points, or some left and the others are at
-        a barrier: every rank exchanges here, nothing is in flight, only the error remains."""
-        try:
-            message = self._replay_story(plans, head)
-            self._rows.drain()
-        finally:
-            self._stop_replay()
-        raise RuntimeError(message)
+    def _stand_in(self, positions: range) -> None:
+        """Take part in the predicted collectives of ``positions``, changing nothing here."""
+        for position in positions:
+            entry = self.replay.predicted(position)
+            assert entry is not None
+            for op, i in entry[1]:
+                self.extras.stand_in(op, i)
 
     def _stop_replay(self) -> None:
         self.replay.off()

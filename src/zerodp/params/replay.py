@@ -32,7 +32,7 @@ about 20 exchanges.
 - Where some rank committed the row a rank exchanges against, those ranks already issue the
   predicted collectives: the rank stands in for them and the ranks have diverged. Every rank
   that sees it, the first at once and the others when they check that row, issues the predicted
-  collectives up to ``padding_end`` (no committed rank can have gone further without checking
+  collectives of its ``padding`` (no committed rank can have gone further without checking
   the row; a padding never reaches the next row), waits for all of them and raises the
   divergence error: the same on every rank, with nothing left in flight, naming what each rank
   was about to do where the first one left. The gradients of that step are incomplete on every
@@ -123,7 +123,7 @@ class Replay:
 
     def in_block(self) -> bool:
         """Whether this rank promised the predicted entry here (it committed its block)."""
-        return self._prediction is not None and self.position < self.promised
+        return self.position < self.promised  # 0 whenever there is no prediction
 
     def promise(self) -> None:
         """This rank committed the row at this position: it issues the predicted collectives
@@ -146,8 +146,7 @@ class Replay:
     def advance(self, entry: Entry) -> None:
         """Every rank agreed on ``entry`` (committed, or exchanged with the same plan)."""
         if self.predicted(self.position) != entry:
-            self._prediction = None  # left on every rank alike: the rest is exchanged
-            self.promised = 0
+            self.drop()  # left on every rank alike: the rest is exchanged
         if len(self._recording) < MAX_ENTRIES:
             self._recording.append(entry)
         else:
@@ -163,14 +162,15 @@ class Replay:
         self.position = self.promised
         return skipped
 
-    def padding_end(self, diverged: int) -> int:
-        """The last position every rank issues after a divergence at ``diverged``: a rank that
-        committed that row checks it at the next check, before any collective of its own."""
-        return self.next_check(diverged) - 1
+    def padding(self, diverged: int) -> range:
+        """What every rank still issues after a divergence found at the row of ``diverged``
+        (from this rank's position on): a rank that committed that row checks it at the next
+        check, before any collective of its own there."""
+        return range(self.position, self.next_check(diverged))
 
     def drop(self) -> None:
         """Every rank left the prediction alike: exchange blocking for the rest of the step,
-        which is recorded as it goes on (see ``leave``)."""
+        which is recorded as it goes on (see ``leave``). No prediction, no promise."""
         self._prediction = None
         self.promised = 0
 
@@ -184,9 +184,8 @@ class Replay:
     def off(self) -> None:
         """Plans were merged or ranks diverged: exchange blocking from now on."""
         self.enabled = False
-        self._prediction = None
         self._unanimous = False
-        self.promised = 0
+        self.drop()
 
 
 class CommittedRows:
