@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -317,3 +318,21 @@ class Hooked(Packed):
     def __init__(self, vocab: int = 13, d: int = 8) -> None:
         super().__init__(vocab, d)
         self.scale = HookedScale(d)
+
+
+def untied_gpt() -> nn.Module:
+    """Our GPT, tiny, its token embedding and head separate parameters."""
+    from zerodp.apps.models.gpt import GPT, get_config
+
+    return GPT(get_config("tiny", tie_embeddings=False))
+
+
+def gpt_loss(step: int, world: int) -> Callable[[nn.Module, int], torch.Tensor]:
+    """Rank r's next-token loss at ``step`` (``zerotest.synced_step``'s ``losses``)."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        return m(tokens[r][:, :-1], tokens[r][:, 1:])[1]
+
+    return loss

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import build, build_checkpointed, global_batches, hf_loss
-from stage3_models import Hooked, Packed, Parts, Switch
+from stage3_models import Hooked, Packed, Parts, Switch, gpt_loss, untied_gpt
 from torch import nn
 from zerotest import (
     NONFINITE_RAISE,
@@ -192,29 +192,13 @@ def test_a_backward_read_no_reference_shows_is_refused_as_nonfinite(world):
         assert o["worst"] <= 1e-6
 
 
-def _gpt() -> nn.Module:
-    from zerodp.apps.models.gpt import GPT, get_config
-
-    return GPT(get_config("tiny", tie_embeddings=False))
-
-
-def _gpt_loss(step: int, world: int) -> Loss:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
-
-    def loss(m: nn.Module, r: int) -> torch.Tensor:
-        return m(tokens[r][:, :-1], tokens[r][:, 1:])[1]
-
-    return loss
-
-
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_embeddings_as_units_skip_the_backward_gather(world, model):
     """Token (and position) embeddings made units of their own: gathered once per step, in
     the forward; the blocks twice in the first step, then once: the last two units, kept into
     the backward. Training matches the unsharded model."""
     if model == "gpt":
-        run = (_gpt, ("Embedding", "Block"), _gpt_loss)
+        run = (untied_gpt, ("Embedding", "Block"), gpt_loss)
         embeddings = ["wte", "wpe"]
     else:
         pytest.importorskip("transformers")
@@ -293,7 +277,9 @@ def test_opt_out_and_the_cost_of_agreeing(world):
         diff = [x - y for x, y in zip(a["control_calls"], b["control_calls"], strict=True)]
         assert diff == [3] + [2] * (STEPS - 1), diff
     on, off = (
-        world(2).run(_train, _gpt, ("Block",), _gpt_loss, steps=STEPS + 1, skip_backward_gathers=s)
+        world(2).run(
+            _train, untied_gpt, ("Block",), gpt_loss, steps=STEPS + 1, skip_backward_gathers=s
+        )
         for s in (True, False)
     )
     for a, b in zip(on, off, strict=True):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import MODELS, build, global_batches, hf_loss
-from stage3_models import Stack
+from stage3_models import Stack, gpt_loss, untied_gpt
 from zerotest import (
     adamw_two_groups,
     assert_close,
@@ -303,18 +303,6 @@ def test_ranks_that_part_inside_a_block_together_go_on(world):
         ], o
 
 
-def _gpt() -> torch.nn.Module:
-    from zerodp.apps.models.gpt import GPT, get_config
-
-    return GPT(get_config("tiny"))
-
-
-def _gpt_loss(step: int, world: int):  # a loss for synced_step
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 256, (world, 2, 17), generator=g)
-    return lambda m, r: m(tokens[r][:, :-1], tokens[r][:, 1:])[1]
-
-
 def _hf_loss(name: str, step: int, world: int):  # a loss for synced_step
     return hf_loss(global_batches(name, step, world))
 
@@ -325,7 +313,7 @@ def case_replayed_training(name: str) -> dict:
     per step (blocking, committed)."""
     rank, world = rank_world()
     if name == "gpt":
-        factory, losses, units = _gpt, _gpt_loss, ("Block",)
+        factory, losses, units = untied_gpt, gpt_loss, ("Block",)
     else:
         factory, losses = partial(build, name), partial(_hf_loss, name)
         units = (MODELS[name].block,)

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zerodp.params.order import Op, OrderCheck
+from zerodp.params.order_story import Item
 from zerodp.params.reduce import ShardedGrads
 from zerodp.params.unit import Trace, Unit
-
-Item = tuple[Op, int]
 
 
 class Reductions:
