@@ -3,7 +3,7 @@ and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator, Handle
 from zerodp.comm.diagnosis import STEP_PHASES
-from zerodp.comm.gloo_cpu import receives_point_to_point
+from zerodp.comm.gloo_cpu import Piece, receives_point_to_point
 from zerodp.comm.groups import DeviceMesh, GroupLike, dp_tp_mesh
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
 from zerodp.comm.process_group import GLOO_WITH_CUDA, destroy, init_from_env
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceMesh",
     "GroupLike",
     "Handle",
+    "Piece",
     "destroy",
     "dp_tp_mesh",
     "init_from_env",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +21,13 @@ import torch.distributed as dist
 
 from zerodp.comm.gloo_cpu import (
     TAGS,
+    Piece,
     broadcast_per_chunk,
     copy_unless_alias,
     gloo_on_cpu,
     receives_point_to_point,
     reduce_per_chunk,
+    reduce_pieces_point_to_point,
     reduce_point_to_point,
 )
 from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
@@ -268,10 +270,29 @@ class Communicator:
         if received is None:
             launch, after = reduce_per_chunk(group, self.rank, output, chunks)
             return self._run("reduce_scatter", launch, async_op, after)
+        launch, add = reduce_point_to_point(
+            group, self.rank, output, chunks, received, self._next_tag()
+        )
+        return self._run("reduce_scatter", launch, async_op, add)
+
+    def reduce_scatter_pieces(
+        self, chunks: Sequence[Sequence[Piece]], numel: int, received: torch.Tensor
+    ) -> tuple[Handle, torch.Tensor]:
+        """Start the reduce-scatter of an input given as pieces, ``numel`` elements per rank
+        ([Note: reduce-scatter from pieces]); where ``receive_numel`` is not 0 only. Returns the
+        handle and the tensor that holds this rank's sum (not averaged) once it completed."""
+        assert self.world_size > 1 and self._chunked(received)
+        size = received.element_size()
+        self.ledger.record("reduce_scatter", numel * self.world_size, size, MODEL)
+        launch, add, total = reduce_pieces_point_to_point(
+            self.group, self.rank, chunks, numel, received, self._next_tag()
+        )
+        return self._run("reduce_scatter", launch, True, add), total
+
+    def _next_tag(self) -> int:
         tag = self._p2p_calls % TAGS
         self._p2p_calls += 1
-        launch, add = reduce_point_to_point(group, self.rank, output, chunks, received, tag)
-        return self._run("reduce_scatter", launch, async_op, add)
+        return tag
 
     def _chunked(self, tensor: torch.Tensor) -> bool:
         return self._chunked_cpu and tensor.device.type == "cpu"

@@ -96,13 +96,24 @@ def reduce_scatter_into(
     handle = comm.reduce_scatter(out, staging, received=staged.received, async_op=True)
 
     def average_into_target() -> None:
-        out.div_(comm.world_size)
-        if accumulate:
-            target.add_(out)
-        elif out is not target:
-            target.copy_(out)
+        average(out, target, accumulate=accumulate, world=comm.world_size)
 
     return handle, average_into_target
+
+
+def average(out: torch.Tensor, target: torch.Tensor, *, accumulate: bool, world: int) -> None:
+    """``out``, a sum over ``world`` ranks, averaged into ``target`` (which it may be): added to
+    it when accumulating, else written. ``out`` is scratch afterwards."""
+    if accumulate:
+        out.div_(world)
+        target.add_(out)
+    elif out.data_ptr() == target.data_ptr():
+        out.div_(world)
+    elif out.dtype == target.dtype:
+        torch.div(out, world, out=target)  # one pass: the quotient straight into place
+    else:
+        out.div_(world)
+        target.copy_(out)
 
 
 def staging_pool(

@@ -27,7 +27,11 @@ A launch copies a chunk's gradients into a staging buffer in the reduce dtype (z
 parameters without one), frees ``param.grad`` once every element of it was copied, and
 reduce-scatters into this rank's gradient shard (in the compute dtype), dividing by N and
 accumulating over synchronised backwards, exactly as stage 2's ``SCATTER_STAGED`` does, so the
-numerics match stages 0-2 bit for bit.
+numerics match stages 0-2 bit for bit. Where the reduce-scatter runs point to point (gloo on
+CPU) and needs no conversion nor spill, nothing is copied: each gradient's part of a chunk is
+sent as it lies ([Note: reduce-scatter from pieces] in comm/gloo_cpu.py), with the same sums;
+the pool's receive buffer is used, its staging view is not (the pool keeps its size, so the
+memory accounting is the same on every path).
 """
 
 from __future__ import annotations
@@ -37,9 +41,15 @@ from bisect import bisect_right
 
 import torch
 
-from zerodp.comm import Communicator
+from zerodp.comm import Communicator, Piece
 from zerodp.grads.inflight import InFlight
-from zerodp.grads.staging import Staged, reduce_scatter_into, staging_pool, zero_range
+from zerodp.grads.staging import (
+    Staged,
+    average,
+    reduce_scatter_into,
+    staging_pool,
+    zero_range,
+)
 from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.swapfile import ALIGN
 from zerodp.params.order import Op, OrderCheck
@@ -131,8 +141,15 @@ class ShardedGrads:
         """Take part in ``reduce(seg_id)``'s reduce-scatters with zeros and wait for them,
         changing no gradient here: standing in after ranks diverged ([Note: verified orders]
         in params/replay.py)."""
-        for _, _, numel in self._chunks[seg_id] if self.segments[seg_id].layout.buckets else []:
+        chunks = self._chunks[seg_id] if self.segments[seg_id].layout.buckets else []
+        for b, offset, numel in chunks:
             staged = self._inflight.acquire(numel * self.world)
+            received = self._pieces_receive(seg_id, staged)
+            if received is not None:  # the same messages as the ranks that reduce
+                zeros = self._pieces(seg_id, b, offset, numel, None)
+                handle, _ = self.comm.reduce_scatter_pieces(zeros, numel, received)
+                self._inflight.push(handle, _no_post, staged.data)
+                continue
             staging = staged.data.zero_()
             own = staging.narrow(0, self.comm.rank * numel, numel)
             handle = self.comm.reduce_scatter(own, staging, received=staged.received, async_op=True)
@@ -145,19 +162,36 @@ class ShardedGrads:
     def _launch(self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int]) -> None:
         lay = self.segments[seg_id].layout
         staged = self._inflight.acquire(numel * self.world)
+        start = lay.buckets[b].shard_offset + offset
+        target = self.shard_grads[seg_id].narrow(0, start, numel)
+        accumulate = self._has_data[seg_id][b]
+        received = self._pieces_receive(seg_id, staged)
+        if received is not None:
+            chunks = self._pieces(seg_id, b, offset, numel, left)
+            handle, total = self.comm.reduce_scatter_pieces(chunks, numel, received)
+
+            def post() -> None:
+                average(total, target, accumulate=accumulate, world=self.world)
+
+            self._inflight.push(handle, post, staged.data)
+            return
         self._fill(seg_id, b, offset, numel, staged.data, left)
         if self.spill is not None:
             self._launch_spilled(seg_id, b, offset, staged)
             return
-        start = lay.buckets[b].shard_offset + offset
-        handle, average = reduce_scatter_into(
-            self.comm,
-            staged,
-            self.shard_grads[seg_id].narrow(0, start, numel),
-            accumulate=self._has_data[seg_id][b],
-            convert=self._convert[seg_id],
+        handle, post = reduce_scatter_into(
+            self.comm, staged, target, accumulate=accumulate, convert=self._convert[seg_id]
         )
-        self._inflight.push(handle, average, staged.data)
+        self._inflight.push(handle, post, staged.data)
+
+    def _pieces_receive(self, seg_id: int, staged: Staged) -> torch.Tensor | None:
+        """Where a reduce-scatter of ``seg_id`` going straight from the gradients receives
+        ([Note: reduce-scatter from pieces] in comm/gloo_cpu.py); None where it is staged. Only
+        the receive buffer behind the staging view is used: point to point, with no conversion
+        nor spill (the same on every rank: the configuration decides)."""
+        if self.spill is not None or self._convert[seg_id]:
+            return None
+        return staged.received
 
     def _launch_spilled(self, seg_id: int, b: int, offset: int, staged: Staged) -> None:
         """The reduction lands in this rank's chunk of the staging buffer, averaged there and
@@ -186,38 +220,61 @@ class ShardedGrads:
         left: dict[int, int],
     ) -> None:
         """For every rank r, the run ``[offset, offset + numel)`` of r's slice of bucket ``b``
-        into ``staging[r * numel:]``: each parameter's part of it (zeros where none); then free
-        the gradients whose every element was staged."""
+        into ``staging[r * numel:]``: each parameter's part of it (zeros where none)."""
+        for r, pieces in enumerate(self._pieces(seg_id, b, offset, numel, left)):
+            dst = staging.narrow(0, r * numel, numel)
+            cursor = 0
+            for piece in pieces:
+                zero_range(dst, cursor, piece.offset)
+                part = dst.narrow(0, piece.offset, piece.numel)
+                if piece.tensor is None:
+                    part.zero_()
+                else:
+                    part.copy_(piece.tensor)
+                cursor = piece.offset + piece.numel
+            zero_range(dst, cursor, numel)
+
+    def _pieces(
+        self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int] | None
+    ) -> list[list[Piece]]:
+        """For every rank r, the parameters' parts of the run ``[offset, offset + numel)`` of
+        r's slice of bucket ``b``: their gradients' views (None where a parameter has none, and
+        everywhere when ``left`` is None: zeros), at their offsets in the run. Drops
+        ``param.grad`` once every element of it was taken (the views keep its memory until
+        they are done with)."""
         seg = self.segments[seg_id]
         lay = seg.layout
         stops = self._stops[seg_id]
+        out: list[list[Piece]] = []
         for r in range(self.world):
             run = lay.buckets[b].shard(r)
             run = Range(run.start + offset, run.start + offset + numel)
-            base = r * numel - run.start  # staging index of flat position 0
-            cursor = run.start
+            pieces: list[Piece] = []
             s = bisect_right(stops, run.start)  # the first slot ending after run.start
             while s < len(lay.slots) and lay.slots[s].flat.start < run.stop:
-                slot = lay.slots[s]
-                part = slot.flat.intersect(run)
+                part = lay.slots[s].flat.intersect(run)
                 if part is not None:
-                    zero_range(staging, base + cursor, base + part.start)
-                    dst = staging.narrow(0, base + part.start, part.numel)
-                    p = seg.params[s]
-                    grad = p.grad
-                    if grad is None:
-                        dst.zero_()
-                    else:
-                        self.used[seg_id][s] = True
-                        self.grads_seen += 1
-                        flat = grad.reshape(-1)
-                        dst.copy_(flat.narrow(0, part.start - slot.flat.start, part.numel))
-                    left[s] -= part.numel
-                    if left[s] == 0:
-                        p.grad = None
-                    cursor = part.stop
+                    grad = None if left is None else self._take(seg_id, s, part, left)
+                    pieces.append(Piece(part.start - run.start, part.numel, grad))
                 s += 1
-            zero_range(staging, base + cursor, base + run.stop)
+            out.append(pieces)
+        return out
+
+    def _take(self, seg_id: int, s: int, part: Range, left: dict[int, int]) -> torch.Tensor | None:
+        """Parameter ``s``'s gradient over ``part`` of the flat space, flat (None: it has
+        none)."""
+        seg = self.segments[seg_id]
+        p = seg.params[s]
+        grad = p.grad
+        left[s] -= part.numel
+        if left[s] == 0:
+            p.grad = None
+        if grad is None:
+            return None
+        self.used[seg_id][s] = True
+        self.grads_seen += 1
+        start = part.start - seg.layout.slots[s].flat.start
+        return grad.reshape(-1).narrow(0, start, part.numel)
 
     # -- the engine's reducer interface ----------------------------------------------------------
 
