@@ -218,9 +218,11 @@ def test_full_parameters_state_dict_and_inference(world, world_size):
         assert gathers == [f"blocks.{k}" for k in range(4)], o["events"]
 
 
-def case_mixed_writeback() -> dict:
+def case_mixed_writeback(gathered: bool) -> dict:
     """bf16: an element edited inside full_parameters reaches the fp32 master as its bf16
-    value; every other master keeps its full fp32 value."""
+    value; every other master keeps its full fp32 value. ``gathered``: the unit is gathered by
+    the schedule when the pin finds it, with ``proj.bias`` (wholly in rank 1's slice) viewing
+    rank 1's shard ([Note: parameters that view the shard])."""
     rank, _ = rank_world()
     torch.manual_seed(0)
     model = Stack()
@@ -228,23 +230,34 @@ def case_mixed_writeback() -> dict:
     cfg = zerodp.ZeroConfig(stage=3, stage3=zerodp.Stage3(unit_min_numel=1), precision="bf16")
     model, opt = zerodp.initialize(model, opt, cfg)
     masters = [op.tensor.detach().clone() for op in opt.engine.pieces]
+    sharded = opt.engine.params
+    unit = next(u for u in sharded.units if u.module is model.blocks[2])
+    if gathered:
+        sharded.gatherer.unshard(unit)
+    bias = model.blocks[2].proj.bias
+    seg = unit.segments[0]
+    views_shard = bias.untyped_storage().data_ptr() == seg.shard.untyped_storage().data_ptr()
     with zerodp.full_parameters(model, rank=1):
         if rank == 1:
             with torch.no_grad():
                 model.blocks[2].proj.bias[5] = 3.0
+    if gathered:
+        sharded.gatherer.release(unit)
     changed = []
     for op, old in zip(opt.engine.pieces, masters, strict=True):
         diff = (op.tensor != old).nonzero().flatten().tolist()
         changed += [(op.name, op.piece.param_range.start + i, op.tensor[i].item()) for i in diff]
     with zerodp.full_parameters(model, writeback=False):
         value = model.blocks[2].proj.bias[5].item()
-    return {"changed": changed, "value": value}
+    return {"changed": changed, "value": value, "views_shard": views_shard}
 
 
-def test_mixed_precision_writeback_touches_only_edited_elements(world):
-    out = world(2).run(case_mixed_writeback, timeout=TIMEOUT)
+@pytest.mark.parametrize("gathered", [False, True])
+def test_mixed_precision_writeback_touches_only_edited_elements(world, gathered):
+    out = world(2).run(case_mixed_writeback, gathered, timeout=TIMEOUT)
     assert [c for o in out for c in o["changed"]] == [("blocks.2.proj.bias", 5, 3.0)], out
     assert all(o["value"] == 3.0 for o in out), out
+    assert [o["views_shard"] for o in out] == [False, gathered], out
 
 
 # -- sharded construction ------------------------------------------------------------------------

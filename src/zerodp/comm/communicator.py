@@ -298,9 +298,16 @@ class Communicator:
         return self._chunked_cpu and tensor.device.type == "cpu"
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        own_parts: Sequence[tuple[int, int]] | None = None,
     ) -> Handle:
-        """Concatenate every rank's ``input`` into ``output``; ``input`` may alias chunk r."""
+        """Concatenate every rank's ``input`` into ``output``; ``input`` may alias chunk r.
+        ``own_parts``: the (start, stop) of this rank's chunk that need ``input``'s values (the
+        caller reads the rest from ``input``); the others may be left as they were."""
         if self.world_size == 1:
             copy_unless_alias(output, input)
             return Handle(None)
@@ -312,8 +319,14 @@ class Communicator:
                 lambda: _all_gather(output, input, group=group, async_op=True),
                 async_op,
             )
-        chunks = output.chunk(self.world_size)
-        copy_unless_alias(chunks[self.rank], input)
+        chunks = list(output.chunk(self.world_size))
+        own = chunks[self.rank]
+        if own_parts is None:
+            copy_unless_alias(own, input)
+        else:
+            for start, stop in own_parts:
+                own[start:stop].copy_(input[start:stop])
+            chunks[self.rank] = input  # sent as it lies
         return self._run("all_gather", broadcast_per_chunk(group, chunks), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, category: str = MODEL) -> None:

@@ -179,7 +179,7 @@ def reduce_pieces_point_to_point(
     return launch, add, total
 
 
-def broadcast_per_chunk(group: Any, chunks: tuple[torch.Tensor, ...]) -> Launch:
+def broadcast_per_chunk(group: Any, chunks: Sequence[torch.Tensor]) -> Launch:
     """An all-gather as one broadcast per owner chunk (this rank's chunk already in place)."""
 
     def launch() -> list[Any]:

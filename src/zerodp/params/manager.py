@@ -231,6 +231,8 @@ class ShardedParams:
             self.gatherer.start(u, private=True)  # user aliases must outlive the release
         for u in units:
             self.gatherer.wait(u)
+            for seg in u.segments:  # edits in one place ([Note: parameters that view the shard])
+                seg.show_buffer()
 
     def unpin(self, units: list[Unit]) -> None:
         for u in units:

@@ -14,6 +14,20 @@ memory] in reuse.py).
 A parameter's ``.data`` is its view while gathered and a *placeholder* at rest; see
 [Note: released placeholders] below and [Note: safe reads] in ``access.py``.
 
+[Note: parameters that view the shard]
+A parameter lying wholly in this rank's slice has its values in ``shard`` already: while a
+schedule gather is in place its ``.data`` views the shard, and the gather copies into the full
+buffer's own chunk only the rest of the slice (``copied_parts``: the parameters that straddle
+a boundary, and padding), where copying the slice was a pass over 1/N of the unit per gather.
+The views are made at each such gather and dropped at its release, so a shard that the offload
+replaces is never kept alive. What autograd saves of them holds the shard's storage, which
+outlives every gather and changes only at the step: a backward reads it without a gather, so
+[Note: backward without parameters] in saved.py counts the full buffer's storage only. Not
+done where the shard is not the gather's input (offloaded parameters stage it into the own
+chunk) nor for private gathers ([Note: pinned gathers]); a unit that a pin finds gathered by
+the schedule turns to the full buffer's views first (``show_buffer``), so that edits inside
+``full_parameters`` land in one place and its writeback, which reads the own chunk, sees them.
+
 [Note: released placeholders]
 A placeholder is a one-element tensor (NaN) expanded to the full shape: stride 0 everywhere, so
 shape, dtype and device are right for code that inspects them, and every element of the view
@@ -38,7 +52,7 @@ when it was pinned keeps using the shared buffer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +79,13 @@ class ShardedSegment(Segment):
     # gathers]).
     resident: torch.Tensor  # 1D, padded_numel
     resident_views: list[torch.Tensor]
+    # [Note: parameters that view the shard]: per slot, (offset in the shard, elements, shape)
+    # of each parameter lying wholly in the owned slice (None for the others); the slice's
+    # other parts (start, stop in it); whether the gather in place or in flight leaves those
+    # parameters viewing the shard (set when it starts).
+    inside: list[tuple[int, int, tuple[int, ...]] | None] = field(default_factory=list)
+    copied_parts: list[tuple[int, int]] = field(default_factory=list)
+    reads_shard: bool = False
 
     @classmethod
     def from_segment(
@@ -91,6 +112,7 @@ class ShardedSegment(Segment):
         owned = flat_view(seg.param_buffer, out.owned)
         out.shard = owned.clone() if shard is None else shard.copy_(owned)
         out._make_views()
+        out._find_inside()
         out.release()
         return out
 
@@ -145,14 +167,34 @@ class ShardedSegment(Segment):
                 memory.fill(storage, self.full_nbytes, in_use)
 
     def show_full(self) -> None:
-        for p, view in zip(self.params, self.views, strict=True):
-            p.data = view
+        """The parameters become their full views (with ``reads_shard``, those of the shard
+        where they lie in it: [Note: parameters that view the shard])."""
+        if not self.reads_shard:
+            for p, view in zip(self.params, self.views, strict=True):
+                p.data = view
+            return
+        shard = self.shard
+        for p, view, inside in zip(self.params, self.views, self.inside, strict=True):
+            if inside is None:
+                p.data = view
+            else:
+                start, numel, shape = inside
+                p.data = shard.narrow(0, start, numel).view(shape)
+
+    def show_buffer(self) -> None:
+        """Parameters that view the shard view the full buffer instead, its own chunk filled
+        from the shard ([Note: parameters that view the shard])."""
+        if self.reads_shard:
+            self.owned_view().copy_(self.shard)
+            self.reads_shard = False
+            self.show_full()
 
     def release(self, memory: GatherMemory | None = None, in_use: int = 0) -> None:
         """Point the parameters at their placeholders and free the full buffer (or hand its
         memory to ``memory``, with ``in_use`` bytes gathered besides)."""
         for p, placeholder in zip(self.params, self.placeholders, strict=True):
             p.data = placeholder
+        self.reads_shard = False
         if self.param_buffer is self.resident:
             if memory is None:
                 self.param_buffer.untyped_storage().resize_(0)
@@ -174,6 +216,21 @@ class ShardedSegment(Segment):
         self.param_buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
         self._make_views()
         self.release()
+
+    def _find_inside(self) -> None:
+        owned = self.owned
+        self.inside, self.copied_parts, cursor = [], [], 0
+        for slot in self.layout.slots:
+            start, stop = slot.flat.start - owned.start, slot.flat.stop - owned.start
+            if slot.flat.numel == 0 or start < 0 or stop > owned.numel:
+                self.inside.append(None)
+                continue
+            self.inside.append((start, slot.flat.numel, slot.spec.shape))
+            if start > cursor:
+                self.copied_parts.append((cursor, start))
+            cursor = stop
+        if owned.numel > cursor:
+            self.copied_parts.append((cursor, owned.numel))
 
     def _make_views(self) -> None:
         """Views must be made while the storage is allocated (a view of a 0-byte storage fails

@@ -185,7 +185,11 @@ class Gatherer:
             seg.alloc(private, self.memory, self.gathered_bytes)
             self.gathered_bytes += seg.full_nbytes
             source = self._source(seg, seg.param_buffer)
-            unit.handles.append(self.comm.all_gather(seg.param_buffer, source, async_op=True))
+            # [Note: parameters that view the shard] in segment.py
+            seg.reads_shard = not private and source is seg.shard
+            parts = seg.copied_parts if seg.reads_shard else None
+            handle = self.comm.all_gather(seg.param_buffer, source, async_op=True, own_parts=parts)
+            unit.handles.append(handle)
         unit.state = UnitState.GATHERING
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
         self.trace("gather", unit)
