@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -125,6 +126,31 @@ def test_structures_match_reference(world, world_size):
     for result in world(world_size).run(case_structures, timeout=TIMEOUT):
         assert set(result) == set(CASES)
         assert max(result.values()) <= 1e-6, result
+
+
+def case_state_dict_inside_a_forward() -> float:
+    """``state_dict`` called from inside a unit's forward pins that unit while the schedule
+    holds it gathered, so its parameters turn to the full buffer and its forward saves views of
+    the buffer's own chunk; the unit is released after its forward (no unit kept) and gathered
+    again for its backward, into memory another unit of the same size used. That gather must
+    refill the whole slice ([Note: parameters that view the shard])."""
+    cfg = zerodp.ZeroConfig(
+        stage=3, stage3=zerodp.Stage3(unit_classes=("Block",), keep_last_units=0)
+    )
+    pair = make_pair(partial(Stack, hiddens=(16, 16, 16, 16)), adamw_two_groups, cfg)
+
+    def pin_every_unit(*_: object) -> None:
+        pair.model.state_dict()
+
+    hook = pair.model.blocks[2].register_forward_pre_hook(pin_every_unit)
+    worst = _train(pair, _vector_loss(8, 8), 3)
+    hook.remove()
+    return worst
+
+
+def test_state_dict_inside_a_forward_trains_like_the_reference(world):
+    for worst in world(2).run(case_state_dict_inside_a_forward, timeout=TIMEOUT):
+        assert worst <= 1e-6
 
 
 def case_read_released() -> list[str]:

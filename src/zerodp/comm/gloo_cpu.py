@@ -166,8 +166,8 @@ def reduce_pieces_point_to_point(
 
     def add() -> None:
         for p in mine:
-            if p.tensor is not None:
-                total.narrow(0, p.offset, p.numel).add_(p.tensor)
+            # No tensor: the staged path adds its zeros, which turns a sum of -0.0 into +0.0.
+            total.narrow(0, p.offset, p.numel).add_(0.0 if p.tensor is None else p.tensor)
         for part in parts[1:]:
             total.add_(part)
         cursor = 0  # nothing arrived where no piece lies: the padding's zeros

@@ -29,9 +29,10 @@ reduce-scatters into this rank's gradient shard (in the compute dtype), dividing
 accumulating over synchronised backwards, exactly as stage 2's ``SCATTER_STAGED`` does, so the
 numerics match stages 0-2 bit for bit. Where the reduce-scatter runs point to point (gloo on
 CPU) and needs no conversion nor spill, nothing is copied: each gradient's part of a chunk is
-sent as it lies ([Note: reduce-scatter from pieces] in comm/gloo_cpu.py), with the same sums;
-the pool's receive buffer is used, its staging view is not (the pool keeps its size, so the
-memory accounting is the same on every path).
+sent as it lies ([Note: reduce-scatter from pieces] in comm/gloo_cpu.py), with the same sums,
+and a gradient's memory is held until its reduce-scatter completed (not until it was staged).
+The pool's receive buffer is used, its staging view is not (the pool keeps its size, so
+``comm_buffers`` is the same on every path).
 """
 
 from __future__ import annotations

@@ -21,12 +21,16 @@ buffer's own chunk only the rest of the slice (``copied_parts``: the parameters 
 a boundary, and padding), where copying the slice was a pass over 1/N of the unit per gather.
 The views are made at each such gather and dropped at its release, so a shard that the offload
 replaces is never kept alive. What autograd saves of them holds the shard's storage, which
-outlives every gather and changes only at the step: a backward reads it without a gather, so
-[Note: backward without parameters] in saved.py counts the full buffer's storage only. Not
-done where the shard is not the gather's input (offloaded parameters stage it into the own
-chunk) nor for private gathers ([Note: pinned gathers]); a unit that a pin finds gathered by
-the schedule turns to the full buffer's views first (``show_buffer``), so that edits inside
-``full_parameters`` land in one place and its writeback, which reads the own chunk, sees them.
+outlives every gather and changes only at the step, a load or a writeback: a backward reads it
+without a gather, so [Note: backward without parameters] in saved.py counts the full buffer's
+storage only. Not done where the shard is not the gather's input (offloaded parameters stage
+it into the own chunk) nor for private gathers ([Note: pinned gathers]). A unit that a pin finds
+gathered by the schedule turns to the full buffer's views first (``show_buffer``), so that
+edits inside ``full_parameters`` land in one place and its writeback, which reads the own
+chunk, sees them; and from then on its gathers copy the whole slice, as before: a forward run
+meanwhile may have saved views of the buffer's own chunk, which a later gather must refill.
+An in-place write to a gathered parameter outside ``full_parameters`` (unsupported: it was lost
+at the release) now reaches the shard where the parameter views it.
 
 [Note: released placeholders]
 A placeholder is a one-element tensor (NaN) expanded to the full shape: stride 0 everywhere, so
@@ -184,10 +188,13 @@ class ShardedSegment(Segment):
     def show_buffer(self) -> None:
         """Parameters that view the shard view the full buffer instead, its own chunk filled
         from the shard ([Note: parameters that view the shard])."""
-        if self.reads_shard:
-            self.owned_view().copy_(self.shard)
-            self.reads_shard = False
-            self.show_full()
+        if not self.reads_shard:
+            return
+        self.owned_view().copy_(self.shard)
+        self.reads_shard = False
+        self.show_full()
+        self.inside = [None] * len(self.inside)  # for good: later gathers copy the whole slice
+        self.copied_parts = [(0, self.owned.numel)] if self.owned.numel else []
 
     def release(self, memory: GatherMemory | None = None, in_use: int = 0) -> None:
         """Point the parameters at their placeholders and free the full buffer (or hand its
