@@ -99,15 +99,9 @@ def reduce_point_to_point(
         return works
 
     def add() -> None:
-        if own.data_ptr() == output.data_ptr():
-            for part in parts:
-                own.add_(part)
-            return
-        # The sum straight into ``output``: the same additions in the same order, one pass
-        # fewer than summing in place and copying.
-        torch.add(own, parts[0], out=output)
-        for part in parts[1:]:
-            output.add_(part)
+        for part in parts:
+            own.add_(part)
+        copy_unless_alias(output, own)
 
     return launch, add
 
