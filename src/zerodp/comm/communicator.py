@@ -31,6 +31,7 @@ from zerodp.comm.gloo_cpu import (
     reduce_point_to_point,
 )
 from zerodp.comm.groups import GroupLike, claim, members, not_a_member_message, resolve_group
+from zerodp.comm.handle import Handle
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger
 from zerodp.comm.process_group import collect_cycles_at_exit
 from zerodp.comm.watchdog import Arrival, Progress, Watch, watch_for
@@ -45,42 +46,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-class Handle:
-    """In-flight collective(s), plus a local action to run once they finished (e.g. copying a
-    received chunk into place). ``wait`` is idempotent; it waits through the watchdog ([Note:
-    watchdog]), so a late or failed rank raises ``CollectiveError`` instead of hanging."""
-
-    __slots__ = ("_after", "_arrival", "_comm", "_works")
-
-    def __init__(
-        self,
-        work: Any,
-        after: Callable[[], Any] | None = None,
-        comm: Communicator | None = None,
-        arrival: Arrival | None = None,
-    ) -> None:
-        self._works: list[Any] = work if isinstance(work, list) else [] if work is None else [work]
-        self._after = after
-        self._comm = comm
-        self._arrival = arrival
-
-    def wait(self) -> None:
-        if self._works:
-            if self._comm is not None and self._arrival is not None:
-                self._comm.wait_works(self._works, self._arrival)
-            else:
-                for work in self._works:
-                    work.wait()
-            self._works = []
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-
-    @property
-    def done(self) -> bool:
-        return not self._works and self._after is None
 
 
 @dataclass(frozen=True, slots=True)
