@@ -4,12 +4,15 @@ needed."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from zerodp.comm.watchdog import Arrival
 
-if TYPE_CHECKING:
-    from zerodp.comm.communicator import Communicator
+
+class Waiter(Protocol):
+    """What waits for a handle's works through the watchdog (the ``Communicator``)."""
+
+    def wait_works(self, works: list[Any], arrival: Arrival) -> None: ...
 
 
 class Handle:
@@ -23,7 +26,7 @@ class Handle:
         self,
         work: Any,
         after: Callable[[], Any] | None = None,
-        comm: Communicator | None = None,
+        comm: Waiter | None = None,
         arrival: Arrival | None = None,
     ) -> None:
         self._works: list[Any] = work if isinstance(work, list) else [] if work is None else [work]
