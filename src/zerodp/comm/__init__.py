@@ -3,7 +3,7 @@ and starting local ranks with torch's elastic launcher (``comm.launch``)."""
 
 from zerodp.comm.communicator import Communicator
 from zerodp.comm.diagnosis import STEP_PHASES
-from zerodp.comm.gloo_cpu import Piece, receives_point_to_point
+from zerodp.comm.gloo_cpu import Piece, gaps, receives_point_to_point
 from zerodp.comm.groups import DeviceMesh, GroupLike, dp_tp_mesh
 from zerodp.comm.handle import Handle
 from zerodp.comm.ledger import CONTROL, MODEL, CommLedger, CommStats
@@ -26,6 +26,7 @@ __all__ = [
     "Piece",
     "destroy",
     "dp_tp_mesh",
+    "gaps",
     "init_from_env",
     "receives_point_to_point",
 ]

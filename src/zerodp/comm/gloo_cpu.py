@@ -116,6 +116,18 @@ class Piece(NamedTuple):
     tensor: torch.Tensor | None
 
 
+def gaps(pieces: Sequence[Piece], numel: int) -> list[tuple[int, int]]:
+    """The (start, stop) of a ``numel``-element chunk that no piece covers (pieces in order)."""
+    out, cursor = [], 0
+    for p in pieces:
+        if p.offset > cursor:
+            out.append((cursor, p.offset))
+        cursor = p.offset + p.numel
+    if numel > cursor:
+        out.append((cursor, numel))
+    return out
+
+
 def reduce_pieces_point_to_point(
     group: Any,
     rank: int,
@@ -164,11 +176,8 @@ def reduce_pieces_point_to_point(
             total.narrow(0, p.offset, p.numel).add_(0.0 if p.tensor is None else p.tensor)
         for part in parts[1:]:
             total.add_(part)
-        cursor = 0  # nothing arrived where no piece lies: the padding's zeros
-        for p in mine:
-            total[cursor : p.offset].zero_()
-            cursor = p.offset + p.numel
-        total[cursor:].zero_()
+        for start, stop in gaps(mine, numel):  # nothing arrived there: the padding's zeros
+            total[start:stop].zero_()
 
     return launch, add, total
 

@@ -42,14 +42,13 @@ from bisect import bisect_right
 
 import torch
 
-from zerodp.comm import Communicator, Piece
+from zerodp.comm import Communicator, Piece, gaps
 from zerodp.grads.inflight import InFlight
 from zerodp.grads.staging import (
     Staged,
     average,
     reduce_scatter_into,
     staging_pool,
-    zero_range,
 )
 from zerodp.offload.grad_spill import GradSpill
 from zerodp.offload.swapfile import ALIGN
@@ -224,16 +223,14 @@ class ShardedGrads:
         into ``staging[r * numel:]``: each parameter's part of it (zeros where none)."""
         for r, pieces in enumerate(self._pieces(seg_id, b, offset, numel, left)):
             dst = staging.narrow(0, r * numel, numel)
-            cursor = 0
+            for start, stop in gaps(pieces, numel):
+                dst[start:stop].zero_()
             for piece in pieces:
-                zero_range(dst, cursor, piece.offset)
                 part = dst.narrow(0, piece.offset, piece.numel)
                 if piece.tensor is None:
                     part.zero_()
                 else:
                     part.copy_(piece.tensor)
-                cursor = piece.offset + piece.numel
-            zero_range(dst, cursor, numel)
 
     def _pieces(
         self, seg_id: int, b: int, offset: int, numel: int, left: dict[int, int] | None
